@@ -1,0 +1,479 @@
+/* CAI -> DLPack: reads a __cuda_array_interface__ (or NumPy __array_interface__) dict into the
+ * neutral record, and writes that record out as a legacy or versioned DLPack capsule. */
+#include "cdl_internal.h"
+
+#include <string.h>
+
+static const char *cdl_source_name(cdl_source source)
+{
+    return source == CDL_SOURCE_CAI ? "__cuda_array_interface__" : "__array_interface__";
+}
+
+/* Reads a non-bool int in [low, high]; messages name the interface, key and index (index < 0:
+ * none). Returns 0 or -1. */
+static int cdl_read_int(PyObject *value, cdl_source source, const char *key, Py_ssize_t index, int64_t low,
+                        int64_t high, int64_t *out)
+{
+    char label[96];
+    if (index >= 0)
+        PyOS_snprintf(label, sizeof(label), "%s '%s'[%zd]", cdl_source_name(source), key, index);
+    else
+        PyOS_snprintf(label, sizeof(label), "%s '%s'", cdl_source_name(source), key);
+    if (!PyLong_Check(value) || PyBool_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.200s", label, Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    int overflow;
+    long long number = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (number == -1 && !overflow && PyErr_Occurred())
+        return -1;
+    if (overflow || number < low || number > high) {
+        PyErr_Format(PyExc_ValueError, "%s is %R; it must lie in [%lld, %lld]", label, value, (long long)low,
+                     (long long)high);
+        return -1;
+    }
+    *out = number;
+    return 0;
+}
+
+/* A required entry, borrowed. NULL with ValueError naming the key when it is missing. */
+static PyObject *cdl_required(PyObject *iface, PyObject *key, cdl_source source)
+{
+    PyObject *value = PyDict_GetItemWithError(iface, key);
+    if (value == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "%s lacks the required key %R", cdl_source_name(source), key);
+    return value;
+}
+
+/* A tuple or list of ints (shape or strides) into values; returns its length or -1. */
+static Py_ssize_t cdl_read_int_sequence(PyObject *sequence, cdl_source source, const char *key, int64_t low,
+                                        int64_t *values)
+{
+    if (!PyTuple_Check(sequence) && !PyList_Check(sequence)) {
+        PyErr_Format(PyExc_TypeError, "%s '%s' must be a tuple of ints, not %.200s", cdl_source_name(source), key,
+                     Py_TYPE(sequence)->tp_name);
+        return -1;
+    }
+    Py_ssize_t length = PySequence_Fast_GET_SIZE(sequence);
+    if (length > CDL_MAX_NDIM) {
+        PyErr_Format(PyExc_ValueError, "%s '%s' has %zd entries; at most %d dimensions are supported",
+                     cdl_source_name(source), key, length, CDL_MAX_NDIM);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < length; i++) {
+        /* The length was read once above; a list cannot change under us while we hold the GIL and
+         * call nothing that runs Python code. */
+        if (cdl_read_int(PySequence_Fast_GET_ITEM(sequence, i), source, key, i, low, INT64_MAX, &values[i]) < 0)
+            return -1;
+    }
+    return length;
+}
+
+/* data: (pointer, read_only) for both interfaces; a buffer object or None (the object's own buffer)
+ * for an array interface, kept alive through *keepalive. Sets out->data, out->read_only and, for a
+ * buffer, *buffer_length. */
+static int cdl_read_data(PyObject *data, cdl_source source, PyObject *obj, cdl_array *out, PyObject **keepalive,
+                         Py_ssize_t *buffer_length)
+{
+    if (PyTuple_Check(data)) {
+        if (PyTuple_GET_SIZE(data) != 2) {
+            PyErr_Format(PyExc_ValueError, "%s 'data' must be a (pointer, read_only) pair, not %R",
+                         cdl_source_name(source), data);
+            return -1;
+        }
+        PyObject *pointer = PyTuple_GET_ITEM(data, 0), *read_only = PyTuple_GET_ITEM(data, 1);
+        if (!PyLong_Check(pointer) || PyBool_Check(pointer)) {
+            PyErr_Format(PyExc_TypeError, "%s 'data'[0] (the pointer) must be an int, not %.200s",
+                         cdl_source_name(source), Py_TYPE(pointer)->tp_name);
+            return -1;
+        }
+        unsigned long long address = PyLong_AsUnsignedLongLong(pointer);
+        if (address == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError, "%s 'data'[0] is %R, not a valid pointer", cdl_source_name(source),
+                         pointer);
+            return -1;
+        }
+        if (!PyBool_Check(read_only)) {
+            PyErr_Format(PyExc_TypeError, "%s 'data'[1] (read-only) must be a bool, not %.200s",
+                         cdl_source_name(source), Py_TYPE(read_only)->tp_name);
+            return -1;
+        }
+        out->data = (void *)(uintptr_t)address;
+        out->read_only = read_only == Py_True;
+        return 0;
+    }
+    if (source == CDL_SOURCE_CAI || (data == Py_None && obj == NULL)) {
+        PyErr_Format(PyExc_TypeError, "%s 'data' must be a (pointer, read_only) tuple, not %.200s",
+                     cdl_source_name(source), Py_TYPE(data)->tp_name);
+        return -1;
+    }
+    PyObject *view = PyMemoryView_FromObject(data == Py_None ? obj : data);
+    if (view == NULL)
+        return -1;
+    Py_buffer *buffer = PyMemoryView_GET_BUFFER(view);
+    if (!PyBuffer_IsContiguous(buffer, 'C')) {
+        Py_DECREF(view);
+        PyErr_SetString(PyExc_ValueError, "__array_interface__ 'data' buffer is not contiguous");
+        return -1;
+    }
+    out->data = buffer->buf;
+    out->read_only = buffer->readonly;
+    *buffer_length = buffer->len;
+    *keepalive = view;
+    return 0;
+}
+
+/* Checks the element count and the byte extent for overflow and for the pointer's range. For a
+ * buffer (buffer_length >= 0) the extent must lie inside it, starting at offset. */
+static int cdl_check_extent(const cdl_array *arr, cdl_source source, PyObject *shape, int64_t itemsize,
+                            Py_ssize_t buffer_length, int64_t offset)
+{
+    int64_t count = 1, low = 0, high = 0;
+    for (int32_t i = 0; i < arr->ndim; i++) {
+        if (__builtin_mul_overflow(count, arr->shape[i], &count)) {
+            PyErr_Format(PyExc_ValueError, "%s 'shape' %R has more elements than fit in 64 bits",
+                         cdl_source_name(source), shape);
+            return -1;
+        }
+    }
+    if (count == 0)
+        return 0;
+    for (int32_t i = 0; i < arr->ndim; i++) {
+        int64_t step;
+        if (__builtin_mul_overflow(arr->shape[i] - 1, arr->strides[i], &step) ||
+            __builtin_mul_overflow(step, itemsize, &step) ||
+            (step < 0 ? __builtin_add_overflow(low, step, &low) : __builtin_add_overflow(high, step, &high)))
+            goto overflow;
+    }
+    if (__builtin_add_overflow(high, itemsize, &high))
+        goto overflow;
+    if (buffer_length >= 0) {
+        if (offset < -low || high > (int64_t)buffer_length - offset) {
+            PyErr_Format(PyExc_ValueError,
+                         "__array_interface__ 'shape', 'strides' and 'offset' reach bytes [%lld, %lld) of a "
+                         "buffer of %zd bytes",
+                         (long long)(offset + low), (long long)(offset + high), buffer_length);
+            return -1;
+        }
+        return 0;
+    }
+    uintptr_t address = (uintptr_t)arr->data;
+    if (address == 0) {
+        PyErr_Format(PyExc_ValueError, "%s 'data' pointer is 0 (NULL) but the array has %lld elements",
+                     cdl_source_name(source), (long long)count);
+        return -1;
+    }
+    if ((uint64_t)-low > address || (uint64_t)high - 1 > UINTPTR_MAX - address)
+        goto overflow;
+    return 0;
+overflow:
+    PyErr_Format(PyExc_ValueError, "%s 'shape' %R with these 'strides' reaches outside the address space",
+                 cdl_source_name(source), shape);
+    return -1;
+}
+
+int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, cdl_array *out,
+                             PyObject **keepalive)
+{
+    *keepalive = NULL;
+    if (!PyDict_Check(iface)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a dict, not %.200s", cdl_source_name(source),
+                     Py_TYPE(iface)->tp_name);
+        return -1;
+    }
+    PyObject *value = cdl_required(iface, cdl_name.version, source);
+    int64_t version;
+    if (value == NULL || cdl_read_int(value, source, "version", -1, 0, 3, &version) < 0)
+        return -1;
+
+    PyObject *shape = cdl_required(iface, cdl_name.shape, source);
+    Py_ssize_t ndim = shape ? cdl_read_int_sequence(shape, source, "shape", 0, out->shape) : -1;
+    if (ndim < 0)
+        return -1;
+    out->ndim = (int32_t)ndim;
+
+    value = cdl_required(iface, cdl_name.typestr, source);
+    if (value == NULL || cdl_parse_typestr(value, &out->dtype) < 0)
+        return -1;
+    int64_t itemsize = cdl_itemsize(out->dtype);
+
+    value = PyDict_GetItemWithError(iface, cdl_name.mask);
+    if (value != NULL && value != Py_None) {
+        PyErr_Format(PyExc_BufferError, "%s 'mask' is set (%.200s); DLPack has no masked arrays",
+                     cdl_source_name(source), Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    if (value == NULL && PyErr_Occurred())
+        return -1;
+
+    value = PyDict_GetItemWithError(iface, cdl_name.strides);
+    if (value != NULL && value != Py_None) {
+        int64_t byte_strides[CDL_MAX_NDIM];
+        Py_ssize_t count = cdl_read_int_sequence(value, source, "strides", INT64_MIN, byte_strides);
+        if (count < 0)
+            return -1;
+        if (count != ndim) {
+            PyErr_Format(PyExc_ValueError, "%s 'strides' has %zd entries but 'shape' has %zd",
+                         cdl_source_name(source), count, ndim);
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < ndim; i++) {
+            if (byte_strides[i] % itemsize != 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s 'strides'[%zd] is %lld bytes, not a multiple of the itemsize %lld; DLPack "
+                             "strides count elements",
+                             cdl_source_name(source), i, (long long)byte_strides[i], (long long)itemsize);
+                return -1;
+            }
+            out->strides[i] = byte_strides[i] / itemsize;
+        }
+    }
+    else if (value == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    else {
+        int64_t stride = 1;
+        for (Py_ssize_t i = ndim - 1; i >= 0; i--) {
+            out->strides[i] = stride;
+            if (__builtin_mul_overflow(stride, out->shape[i] > 1 ? out->shape[i] : 1, &stride)) {
+                PyErr_Format(PyExc_ValueError, "%s 'shape' %R has more elements than fit in 64 bits",
+                             cdl_source_name(source), shape);
+                return -1;
+            }
+        }
+    }
+
+    out->stream = 0;
+    if (source == CDL_SOURCE_CAI) {
+        value = PyDict_GetItemWithError(iface, cdl_name.stream);
+        if (value == NULL && PyErr_Occurred())
+            return -1;
+        if (cdl_parse_stream(value, "__cuda_array_interface__ 'stream'", 0, &out->stream) < 0)
+            return -1;
+    }
+
+    value = cdl_required(iface, cdl_name.data, source);
+    Py_ssize_t buffer_length = -1;
+    if (value == NULL || cdl_read_data(value, source, obj, out, keepalive, &buffer_length) < 0)
+        return -1;
+    int64_t offset = 0;
+    if (buffer_length >= 0) {
+        value = PyDict_GetItemWithError(iface, cdl_name.offset);
+        if ((value == NULL && PyErr_Occurred()) ||
+            (value != NULL && value != Py_None &&
+             cdl_read_int(value, source, "offset", -1, 0, buffer_length, &offset) < 0))
+            goto fail;
+        out->data = (char *)out->data + offset;
+    }
+    if (cdl_check_extent(out, source, shape, itemsize, buffer_length, offset) < 0)
+        goto fail;
+
+    if (source == CDL_SOURCE_CAI) {
+        if (cdl_device_of_pointer(out->data, &out->device) < 0)
+            goto fail;
+    }
+    else {
+        out->device.device_type = kDLCPU;
+        out->device.device_id = 0;
+    }
+    return 0;
+fail:
+    Py_CLEAR(*keepalive);
+    return -1;
+}
+
+int cdl_array_from_object(PyObject *obj, cdl_array *out, PyObject **keepalive)
+{
+    if (PyDict_Check(obj))
+        return cdl_array_from_interface(obj, CDL_SOURCE_CAI, NULL, out, keepalive);
+    PyObject *iface;
+    cdl_source source = CDL_SOURCE_CAI;
+    int found = cdl_lookup_attribute(obj, cdl_name.cuda_array_interface, &iface);
+    if (found == 0) {
+        source = CDL_SOURCE_ARRAY_INTERFACE;
+        found = cdl_lookup_attribute(obj, cdl_name.array_interface, &iface);
+        if (found == 0) {
+            PyErr_Format(PyExc_TypeError,
+                         "object of type %.200s has neither __cuda_array_interface__ nor __array_interface__",
+                         Py_TYPE(obj)->tp_name);
+            return -1;
+        }
+    }
+    if (found < 0)
+        return -1;
+    int status = cdl_array_from_interface(iface, source, obj, out, keepalive);
+    Py_DECREF(iface);
+    return status;
+}
+
+/* ---- capsules ------------------------------------------------------------------------------------ */
+
+/* One allocation per capsule: the managed tensor, the references it holds, then shape and strides. */
+typedef struct {
+    union {
+        DLManagedTensor legacy;
+        DLManagedTensorVersioned versioned;
+    } managed;
+    PyObject *owner;
+    PyObject *keepalive;
+    int64_t dims[];
+} cdl_export_block;
+
+/* Runs on any thread, with or without the GIL, possibly during interpreter shutdown. */
+static void cdl_release_block(cdl_export_block *block)
+{
+    if (Py_IsInitialized() && !cdl_interpreter_finalizing()) {
+        PyGILState_STATE state = PyGILState_Ensure();
+        Py_XDECREF(block->owner);
+        Py_XDECREF(block->keepalive);
+        PyGILState_Release(state);
+    }
+    /* Otherwise the interpreter is gone or going: its objects must not be touched, so the
+     * references are left behind with it. */
+    PyMem_RawFree(block);
+}
+
+static void cdl_delete_legacy(DLManagedTensor *self) { cdl_release_block(self->manager_ctx); }
+
+static void cdl_delete_versioned(DLManagedTensorVersioned *self) { cdl_release_block(self->manager_ctx); }
+
+/* Frees the tensor of a capsule nobody consumed; a consumer renames the capsule 'used_*'. */
+static void cdl_capsule_destructor(PyObject *capsule)
+{
+    const char *name = PyCapsule_GetName(capsule);
+    if (name == NULL || strncmp(name, "used_", 5) == 0) {
+        PyErr_Clear();
+        return;
+    }
+    void *managed = PyCapsule_GetPointer(capsule, name);
+    if (managed == NULL) {
+        PyErr_WriteUnraisable(capsule);
+        return;
+    }
+    if (strcmp(name, "dltensor_versioned") == 0) {
+        DLManagedTensorVersioned *tensor = managed;
+        if (tensor->deleter)
+            tensor->deleter(tensor);
+    }
+    else {
+        DLManagedTensor *tensor = managed;
+        if (tensor->deleter)
+            tensor->deleter(tensor);
+    }
+}
+
+PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned)
+{
+    size_t ndim = (size_t)arr->ndim;
+    cdl_export_block *block = PyMem_RawMalloc(sizeof(cdl_export_block) + 2 * ndim * sizeof(int64_t));
+    if (block == NULL)
+        return PyErr_NoMemory();
+    DLTensor *tensor;
+    void *managed;
+    if (versioned) {
+        DLManagedTensorVersioned *m = &block->managed.versioned;
+        m->version.major = DLPACK_MAJOR_VERSION;
+        m->version.minor = DLPACK_MINOR_VERSION;
+        m->manager_ctx = block;
+        m->deleter = cdl_delete_versioned;
+        m->flags = arr->read_only ? DLPACK_FLAG_BITMASK_READ_ONLY : 0;
+        tensor = &m->dl_tensor;
+        managed = m;
+    }
+    else {
+        DLManagedTensor *m = &block->managed.legacy;
+        m->manager_ctx = block;
+        m->deleter = cdl_delete_legacy;
+        tensor = &m->dl_tensor;
+        managed = m;
+    }
+    tensor->data = arr->data;
+    tensor->device = arr->device;
+    tensor->ndim = arr->ndim;
+    tensor->dtype = arr->dtype;
+    tensor->shape = block->dims;
+    tensor->strides = block->dims + ndim;
+    tensor->byte_offset = 0;
+    if (ndim > 0) {
+        memcpy(block->dims, arr->shape, ndim * sizeof(int64_t));
+        memcpy(block->dims + ndim, arr->strides, ndim * sizeof(int64_t));
+    }
+    block->owner = Py_XNewRef(owner);
+    block->keepalive = Py_XNewRef(keepalive);
+    PyObject *capsule = PyCapsule_New(managed, versioned ? "dltensor_versioned" : "dltensor", cdl_capsule_destructor);
+    if (capsule == NULL)
+        cdl_release_block(block);
+    return capsule;
+}
+
+PyObject *cdl_device_tuple(DLDevice device)
+{
+    return Py_BuildValue("(ii)", (int)device.device_type, (int)device.device_id);
+}
+
+/* max_version: None (legacy capsule) or a (major, minor) tuple; sets *versioned. */
+static int cdl_parse_max_version(PyObject *max_version, int *versioned)
+{
+    *versioned = 0;
+    if (max_version == NULL || max_version == Py_None)
+        return 0;
+    if (!PyTuple_Check(max_version) || PyTuple_GET_SIZE(max_version) != 2 ||
+        !PyLong_Check(PyTuple_GET_ITEM(max_version, 0)) || !PyLong_Check(PyTuple_GET_ITEM(max_version, 1))) {
+        PyErr_Format(PyExc_TypeError, "max_version must be None or a (major, minor) tuple of ints, not %R",
+                     max_version);
+        return -1;
+    }
+    long major = PyLong_AsLong(PyTuple_GET_ITEM(max_version, 0));
+    if (major == -1 && PyErr_Occurred())
+        return -1;
+    *versioned = major >= 1;
+    return 0;
+}
+
+/* dl_device: None or a (device_type, device_id) pair that must name the data's own device. */
+static int cdl_check_dl_device(PyObject *dl_device, DLDevice device)
+{
+    if (dl_device == NULL || dl_device == Py_None)
+        return 0;
+    int type, id;
+    if (!PyTuple_Check(dl_device) || !PyArg_ParseTuple(dl_device, "ii", &type, &id)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "dl_device must be None or a (device_type, device_id) tuple, not %R",
+                     dl_device);
+        return -1;
+    }
+    if (type != (int)device.device_type || id != (int)device.device_id) {
+        PyErr_Format(PyExc_BufferError,
+                     "dl_device (%d, %d) differs from the data's device (%d, %d); cai_dlpack never copies",
+                     type, id, (int)device.device_type, (int)device.device_id);
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
+                     PyObject *max_version, PyObject *dl_device, PyObject *copy)
+{
+    int64_t consumer;
+    int versioned;
+    if (cdl_parse_stream(stream, "stream", 1, &consumer) < 0 || cdl_parse_max_version(max_version, &versioned) < 0 ||
+        cdl_check_dl_device(dl_device, arr->device) < 0)
+        return NULL;
+    if (copy != NULL && copy != Py_None && copy != Py_False) {
+        if (copy == Py_True)
+            PyErr_SetString(PyExc_BufferError, "copy=True was asked, but cai_dlpack only shares memory (zero-copy)");
+        else
+            PyErr_Format(PyExc_TypeError, "copy must be None or a bool, not %.200s", Py_TYPE(copy)->tp_name);
+        return NULL;
+    }
+    if (arr->read_only && !versioned) {
+        PyErr_SetString(PyExc_BufferError,
+                        "the array is read-only, which a legacy 'dltensor' capsule cannot say; ask for "
+                        "max_version=(1, 0) or newer to get a versioned capsule with the read-only flag");
+        return NULL;
+    }
+    PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, versioned);
+    if (capsule != NULL && cdl_order_streams(arr->device, arr->stream, consumer) < 0)
+        Py_CLEAR(capsule);
+    return capsule;
+}

@@ -1,0 +1,119 @@
+/* Declarations shared by the files of the C core: the neutral array record that both directions
+ * pass through, and the entry points each csrc/ file offers the others. Nothing here is exported. */
+#ifndef CDL_INTERNAL_H
+#define CDL_INTERNAL_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlpack/dlpack.h>
+#include <stdint.h>
+
+/* The most dimensions an array may have (NumPy's limit); keeps a record on the stack. */
+#define CDL_MAX_NDIM 64
+
+/* Consumer stream values of the array API: -1 asks for no synchronization; None means the
+ * legacy default stream, which is 1 (cudaStreamLegacy). */
+#define CDL_STREAM_NO_SYNC (-1)
+#define CDL_STREAM_LEGACY 1
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define cdl_interpreter_finalizing() Py_IsFinalizing()
+#define cdl_lookup_attribute PyObject_GetOptionalAttr
+#else
+#define cdl_interpreter_finalizing() _Py_IsFinalizing()
+/* 1 with *result set, 0 when absent (no AttributeError built), -1 on error. */
+#define cdl_lookup_attribute _PyObject_LookupAttr
+#endif
+
+/* One array as both protocols see it. Fields follow DLTensor; strides are in elements and are
+ * always explicit. */
+typedef struct {
+    void *data;                      /* first element; any byte offset already folded in */
+    DLDataType dtype;
+    int32_t ndim;
+    int64_t shape[CDL_MAX_NDIM];
+    int64_t strides[CDL_MAX_NDIM];
+    DLDevice device;
+    int read_only;
+    int64_t stream;                  /* producer's CAI stream; 0 means none was given */
+} cdl_array;
+
+/* Which protocol a dict came from: a CAI dict describes device memory, an array interface
+ * (NumPy's __array_interface__) host memory. */
+typedef enum { CDL_SOURCE_CAI, CDL_SOURCE_ARRAY_INTERFACE } cdl_source;
+
+/* Interned strings for the keys and attribute names read on hot paths (module.c owns them). */
+typedef struct {
+    PyObject *shape, *typestr, *data, *strides, *version, *mask, *stream, *offset, *descr;
+    PyObject *cuda_array_interface, *array_interface, *dlpack, *dlpack_device;
+    PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream;
+} cdl_names;
+extern cdl_names cdl_name;
+
+/* Exceptions of the module (module.c): CUDA runtime failures. */
+extern PyObject *cdl_CudaError;
+
+/* Process-wide switches of the CAI spec's opt-outs (stream_sync.c). */
+extern int cdl_option_sync;            /* 0: consumers ignore producer streams */
+extern int cdl_option_export_stream;   /* 0: producers export "stream": None */
+
+/* dtype.c ---------------------------------------------------------------------------------------- */
+/* Returns 0 with *out filled, or -1 with ValueError/TypeError naming the typestr. */
+int cdl_parse_typestr(PyObject *typestr, DLDataType *out);
+/* Returns a new reference to the typestr of dtype, or NULL with BufferError naming code/bits/lanes. */
+PyObject *cdl_typestr_from_dtype(DLDataType dtype);
+/* Bytes per element of a dtype the table knows. */
+static inline int64_t cdl_itemsize(DLDataType dtype) { return ((int64_t)dtype.bits * dtype.lanes + 7) / 8; }
+int cdl_dtype_init(void);
+
+/* cuda_runtime.c --------------------------------------------------------------------------------- */
+/* Fills *device from the runtime's pointer attributes of ptr (the current device for NULL).
+ * Returns 0, or -1 with an exception set (runtime missing, CUDA error, memory CUDA does not know). */
+int cdl_device_of_pointer(const void *ptr, DLDevice *device);
+/* Sets cdl_CudaError for a failed runtime call and clears the runtime's last error. Returns -1. */
+int cdl_raise_cuda_error(const char *call, int code);
+/* Function table of the loaded runtime; NULL with RuntimeError saying what was searched. */
+struct cdl_cudart;
+const struct cdl_cudart *cdl_cudart_get(void);
+PyObject *cdl_cuda_runtime_info(PyObject *module, PyObject *unused);
+
+/* stream_sync.c ---------------------------------------------------------------------------------- */
+/* Parses a stream value named what: a consumer's argument (None -> 1, -1, 1, 2 or a handle) when
+ * consumer is 1, a CAI 'stream' entry (None -> 0, 1, 2 or a handle) when 0. Returns 0 or -1. */
+int cdl_parse_stream(PyObject *value, const char *what, int consumer, int64_t *out);
+/* Orders the consumer stream after the producer stream on the device, host not blocked.
+ * Returns 0, or -1 with an exception set; the caller's current device is unchanged either way. */
+int cdl_order_streams(DLDevice device, int64_t producer, int64_t consumer);
+void cdl_stream_options_init(void);
+PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+
+/* cai_to_dlpack.c -------------------------------------------------------------------------------- */
+/* Reads an interface dict into *out. For an array interface whose data is a buffer object,
+ * *keepalive receives a new reference that must outlive the data pointer. Returns 0 or -1. */
+int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, cdl_array *out,
+                             PyObject **keepalive);
+/* Reads obj's __cuda_array_interface__ (else __array_interface__; a dict is a CAI dict) into *out,
+ * device included. Same contract as above. */
+int cdl_array_from_object(PyObject *obj, cdl_array *out, PyObject **keepalive);
+/* Builds a capsule of the given kind whose deleter releases owner and keepalive (new references
+ * taken here). Returns the capsule, or NULL with an exception set. */
+PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned);
+/* The whole export: checks the consumer's requests, orders streams, builds the capsule. */
+PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
+                     PyObject *max_version, PyObject *dl_device, PyObject *copy);
+/* (device_type, device_id) as a tuple. */
+PyObject *cdl_device_tuple(DLDevice device);
+
+/* dlpack_to_cai.c -------------------------------------------------------------------------------- */
+extern PyTypeObject cdl_view_type;
+int cdl_view_type_init(void);
+/* Consumes a capsule or calls obj.__dlpack__; returns a new view or NULL with an exception set. */
+PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream);
+
+/* module.c --------------------------------------------------------------------------------------- */
+/* Keyword-only argument parsing for vectorcall methods: names[i] matched into values[i]
+ * (borrowed; untouched when absent). Returns 0, or -1 with TypeError. */
+int cdl_parse_keywords(const char *func, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                       Py_ssize_t npositional, PyObject *const *names, PyObject **values, int count);
+
+#endif

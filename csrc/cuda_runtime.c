@@ -1,0 +1,219 @@
+/* The CUDA runtime loader: libcudart is opened at run time (never linked), so the module imports
+ * and its host paths work on machines with no CUDA at all. Also pointer -> DLDevice queries. */
+#include "cdl_internal.h"
+#include "cuda_runtime_table.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+
+static cdl_cudart cdl_runtime;
+static int cdl_runtime_loaded;
+static char cdl_runtime_path[1024];
+
+/* Resolves every symbol of the table from handle. Returns the first missing name, or NULL. */
+static const char *cdl_resolve_symbols(void *handle, cdl_cudart *table)
+{
+#define CDL_RESOLVE(field, symbol)                                                                  \
+    do {                                                                                            \
+        *(void **)(&table->field) = dlsym(handle, symbol);                                          \
+        if (table->field == NULL)                                                                   \
+            return symbol;                                                                          \
+    } while (0)
+    CDL_RESOLVE(get_error_name, "cudaGetErrorName");
+    CDL_RESOLVE(get_error_string, "cudaGetErrorString");
+    CDL_RESOLVE(get_last_error, "cudaGetLastError");
+    CDL_RESOLVE(pointer_get_attributes, "cudaPointerGetAttributes");
+    CDL_RESOLVE(get_device, "cudaGetDevice");
+    CDL_RESOLVE(set_device, "cudaSetDevice");
+    CDL_RESOLVE(get_device_count, "cudaGetDeviceCount");
+    CDL_RESOLVE(runtime_get_version, "cudaRuntimeGetVersion");
+    CDL_RESOLVE(event_create_with_flags, "cudaEventCreateWithFlags");
+    CDL_RESOLVE(event_destroy, "cudaEventDestroy");
+    CDL_RESOLVE(event_record, "cudaEventRecord");
+    CDL_RESOLVE(stream_wait_event, "cudaStreamWaitEvent");
+#undef CDL_RESOLVE
+    return NULL;
+}
+
+/* Tries one path; on success fills the table and returns 1. Appends what happened to tried. */
+static int cdl_try_open(const char *path, char *tried, size_t tried_size)
+{
+    size_t used = strlen(tried);
+    void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (handle == NULL) {
+        snprintf(tried + used, tried_size - used, "%s%s", used ? ", " : "", path);
+        return 0;
+    }
+    cdl_cudart table;
+    const char *missing = cdl_resolve_symbols(handle, &table);
+    if (missing != NULL) {
+        snprintf(tried + used, tried_size - used, "%s%s (lacks %s)", used ? ", " : "", path, missing);
+        dlclose(handle);
+        return 0;
+    }
+    cdl_runtime = table;
+    snprintf(cdl_runtime_path, sizeof(cdl_runtime_path), "%s", path);
+    cdl_runtime_loaded = 1;
+    return 1;
+}
+
+/* Appends the libcudart copies inside installed NVIDIA wheels (the 'nvidia' namespace package). */
+static int cdl_try_wheels(char *tried, size_t tried_size)
+{
+    static const char *const wheel_libraries[] = {"cu13/lib/libcudart.so.13", "cuda_runtime/lib/libcudart.so.12"};
+    PyObject *nvidia = PyImport_ImportModule("nvidia");
+    if (nvidia == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *paths = PyObject_GetAttrString(nvidia, "__path__");
+    Py_DECREF(nvidia);
+    PyObject *list = paths ? PySequence_List(paths) : NULL;
+    Py_XDECREF(paths);
+    if (list == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int found = 0;
+    for (Py_ssize_t i = 0; !found && i < PyList_GET_SIZE(list); i++) {
+        const char *folder = PyUnicode_Check(PyList_GET_ITEM(list, i)) ? PyUnicode_AsUTF8(PyList_GET_ITEM(list, i)) : NULL;
+        if (folder == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        for (size_t j = 0; !found && j < sizeof(wheel_libraries) / sizeof(wheel_libraries[0]); j++) {
+            char path[1024];
+            snprintf(path, sizeof(path), "%s/%s", folder, wheel_libraries[j]);
+            found = cdl_try_open(path, tried, tried_size);
+        }
+    }
+    Py_DECREF(list);
+    return found;
+}
+
+const cdl_cudart *cdl_cudart_get(void)
+{
+    if (cdl_runtime_loaded)
+        return &cdl_runtime;
+    char tried[4096] = "";
+    const char *named = getenv("CAI_DLPACK_CUDART");
+    if (named != NULL && named[0] != '\0') {
+        /* A runtime the user names is the only one tried: a silent fallback would hide the mistake. */
+        if (cdl_try_open(named, tried, sizeof(tried)))
+            return &cdl_runtime;
+        PyErr_Format(PyExc_RuntimeError,
+                     "CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded: %s (%s)", tried, dlerror());
+        return NULL;
+    }
+    static const int majors[] = {CDL_CUDART_HEADER_MAJOR, 13, 12};
+    for (size_t i = 0; i < sizeof(majors) / sizeof(majors[0]); i++) {
+        if (i > 0 && majors[i] == CDL_CUDART_HEADER_MAJOR)
+            continue;
+        char soname[64];
+        snprintf(soname, sizeof(soname), "libcudart.so.%d", majors[i]);
+        if (cdl_try_open(soname, tried, sizeof(tried)))
+            return &cdl_runtime;
+    }
+    if (cdl_try_wheels(tried, sizeof(tried)))
+        return &cdl_runtime;
+    PyErr_Format(PyExc_RuntimeError,
+                 "no CUDA runtime found (tried %s); install a CUDA driver and runtime, e.g. "
+                 "'pip install nvidia-cuda-runtime', or set CAI_DLPACK_CUDART to the path of libcudart.so",
+                 tried);
+    return NULL;
+}
+
+/* error.NAME = text, for the attributes a CudaError carries. Returns 0 or -1. */
+static int cdl_set_text_attribute(PyObject *error, const char *name, const char *text)
+{
+    PyObject *value = PyUnicode_FromString(text);
+    int result = value ? PyObject_SetAttrString(error, name, value) : -1;
+    Py_XDECREF(value);
+    return result;
+}
+
+int cdl_raise_cuda_error(const char *call, int code)
+{
+    const char *name = cdl_runtime.get_error_name ? cdl_runtime.get_error_name((cudaError_t)code) : NULL;
+    const char *text = cdl_runtime.get_error_string ? cdl_runtime.get_error_string((cudaError_t)code) : NULL;
+    /* A failed call leaves the runtime's last error set; clear it so the next framework to check
+     * it does not blame its own kernel. */
+    if (cdl_runtime.get_last_error)
+        (void)cdl_runtime.get_last_error();
+    name = name ? name : "unknown error";
+    text = text ? text : "no description";
+    PyObject *message = PyUnicode_FromFormat("%s failed: %s (%s)", call, name, text);
+    if (message == NULL)
+        return -1;
+    PyObject *error = PyObject_CallOneArg(cdl_CudaError, message);
+    Py_DECREF(message);
+    if (error == NULL)
+        return -1;
+    PyObject *code_value = PyLong_FromLong(code);
+    if (code_value != NULL && PyObject_SetAttrString(error, "code", code_value) == 0 &&
+        cdl_set_text_attribute(error, "call", call) == 0 && cdl_set_text_attribute(error, "name", name) == 0)
+        PyErr_SetObject(cdl_CudaError, error);
+    Py_XDECREF(code_value);
+    Py_DECREF(error);
+    return -1;
+}
+
+int cdl_device_of_pointer(const void *ptr, DLDevice *device)
+{
+    const cdl_cudart *rt = cdl_cudart_get();
+    if (rt == NULL)
+        return -1;
+    if (ptr == NULL) {
+        /* A zero-size array has no memory to ask about: it lives on the current device. */
+        int current;
+        cudaError_t status = rt->get_device(&current);
+        if (status != cudaSuccess)
+            return cdl_raise_cuda_error("cudaGetDevice", status);
+        device->device_type = kDLCUDA;
+        device->device_id = current;
+        return 0;
+    }
+    struct cudaPointerAttributes attributes;
+    cudaError_t status = rt->pointer_get_attributes(&attributes, ptr);
+    if (status != cudaSuccess)
+        return cdl_raise_cuda_error("cudaPointerGetAttributes", status);
+    switch (attributes.type) {
+    case cudaMemoryTypeDevice:
+        device->device_type = kDLCUDA;
+        break;
+    case cudaMemoryTypeManaged:
+        device->device_type = kDLCUDAManaged;
+        break;
+    case cudaMemoryTypeHost:
+        device->device_type = kDLCUDAHost;
+        break;
+    default:
+        PyErr_Format(PyExc_BufferError,
+                     "__cuda_array_interface__ 'data' pointer %p is not memory the CUDA runtime knows "
+                     "(cudaMemoryTypeUnregistered)", ptr);
+        return -1;
+    }
+    device->device_id = attributes.device < 0 ? 0 : attributes.device;
+    return 0;
+}
+
+PyObject *cdl_cuda_runtime_info(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    const cdl_cudart *rt = cdl_cudart_get();
+    if (rt == NULL)
+        return NULL;
+    int version = 0, count = 0;
+    cudaError_t status = rt->runtime_get_version(&version);
+    if (status != cudaSuccess)
+        return cdl_raise_cuda_error("cudaRuntimeGetVersion", status), NULL;
+    status = rt->get_device_count(&count);
+    if (status != cudaSuccess) {
+        /* No driver or no GPU is an answer here, not an error. */
+        (void)rt->get_last_error();
+        count = 0;
+    }
+    return Py_BuildValue("{s:s, s:i, s:i}", "path", cdl_runtime_path, "version", version, "device_count", count);
+}

@@ -1,0 +1,366 @@
+/* DLPack -> CAI: consumes a DLPack capsule (or calls __dlpack__) into a DLPackView, which owns the
+ * managed tensor and exposes it as __cuda_array_interface__ / __array_interface__ / __dlpack__. */
+#include "cdl_internal.h"
+
+#include <string.h>
+
+typedef struct {
+    PyObject_HEAD
+    void *managed;          /* DLManagedTensor or DLManagedTensorVersioned; its deleter runs once, in dealloc */
+    DLTensor *tensor;       /* inside managed */
+    int versioned;
+    int read_only;
+    int64_t stream;         /* the stream the producer made the data ready on; 0: none (no sync asked) */
+    PyObject *shape;        /* tuple */
+    PyObject *strides;      /* tuple of byte strides, or None for C-contiguous */
+    PyObject *typestr;
+    PyObject *data;         /* (pointer, read_only) with byte_offset folded in; 0 when empty */
+    PyObject *weakreflist;
+} cdl_view;
+
+/* Kwnames and arguments for calling a producer's __dlpack__, made once. */
+static PyObject *cdl_dlpack_kwnames_full;     /* ("stream", "max_version") */
+static PyObject *cdl_dlpack_kwnames_stream;   /* ("stream",) */
+static PyObject *cdl_our_max_version;         /* (DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION) */
+
+static void cdl_call_deleter(void *managed, int versioned)
+{
+    if (versioned) {
+        DLManagedTensorVersioned *m = managed;
+        if (m->deleter)
+            m->deleter(m);
+    }
+    else {
+        DLManagedTensor *m = managed;
+        if (m->deleter)
+            m->deleter(m);
+    }
+}
+
+static int cdl_host_accessible(DLDeviceType type)
+{
+    return type == kDLCPU || type == kDLCUDAHost || type == kDLCUDAManaged;
+}
+
+static int cdl_device_accessible(DLDeviceType type)
+{
+    return type == kDLCUDA || type == kDLCUDAHost || type == kDLCUDAManaged;
+}
+
+/* Checks the tensor and fills the view's cached Python values. Returns 0 or -1. */
+static int cdl_view_describe(cdl_view *view)
+{
+    const DLTensor *t = view->tensor;
+    DLDeviceType type = t->device.device_type;
+    if (!cdl_host_accessible(type) && !cdl_device_accessible(type)) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack device type %d is neither CUDA nor host memory; only kDLCPU, kDLCUDA, kDLCUDAHost "
+                     "and kDLCUDAManaged tensors can be described by an array interface",
+                     (int)type);
+        return -1;
+    }
+    if (t->ndim < 0 || t->ndim > CDL_MAX_NDIM || (t->ndim > 0 && t->shape == NULL)) {
+        PyErr_Format(PyExc_BufferError, "DLPack tensor has ndim %d%s; 0 to %d dimensions with a shape are supported",
+                     (int)t->ndim, t->ndim > 0 && t->shape == NULL ? " and no shape" : "", CDL_MAX_NDIM);
+        return -1;
+    }
+    view->typestr = cdl_typestr_from_dtype(t->dtype);
+    if (view->typestr == NULL)
+        return -1;
+    int64_t itemsize = cdl_itemsize(t->dtype), count = 1;
+    view->shape = PyTuple_New(t->ndim);
+    view->strides = t->strides ? PyTuple_New(t->ndim) : Py_NewRef(Py_None);
+    if (view->shape == NULL || view->strides == NULL)
+        return -1;
+    for (int32_t i = 0; i < t->ndim; i++) {
+        if (t->shape[i] < 0) {
+            PyErr_Format(PyExc_BufferError, "DLPack tensor shape[%d] is %lld", (int)i, (long long)t->shape[i]);
+            return -1;
+        }
+        count *= t->shape[i] ? 1 : 0;
+        PyObject *dim = PyLong_FromLongLong(t->shape[i]);
+        if (dim == NULL)
+            return -1;
+        PyTuple_SET_ITEM(view->shape, i, dim);
+        if (t->strides) {
+            int64_t byte_stride;
+            if (__builtin_mul_overflow(t->strides[i], itemsize, &byte_stride)) {
+                PyErr_Format(PyExc_BufferError, "DLPack tensor strides[%d] = %lld overflows in bytes", (int)i,
+                             (long long)t->strides[i]);
+                return -1;
+            }
+            PyObject *stride = PyLong_FromLongLong(byte_stride);
+            if (stride == NULL)
+                return -1;
+            PyTuple_SET_ITEM(view->strides, i, stride);
+        }
+    }
+    uintptr_t address = count == 0 ? 0 : (uintptr_t)t->data + (uintptr_t)t->byte_offset;
+    view->data = Py_BuildValue("(NO)", PyLong_FromVoidPtr((void *)address), view->read_only ? Py_True : Py_False);
+    return view->data ? 0 : -1;
+}
+
+/* Takes ownership of managed: on failure its deleter has run. */
+static PyObject *cdl_view_new(void *managed, int versioned, int64_t stream)
+{
+    DLTensor *tensor;
+    int read_only = 0;
+    if (versioned) {
+        DLManagedTensorVersioned *m = managed;
+        if (m->version.major > DLPACK_MAJOR_VERSION) {
+            PyErr_Format(PyExc_BufferError, "DLPack capsule has version %u.%u; this build reads major version %d",
+                         m->version.major, m->version.minor, DLPACK_MAJOR_VERSION);
+            cdl_call_deleter(managed, versioned);
+            return NULL;
+        }
+        tensor = &m->dl_tensor;
+        read_only = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+    }
+    else {
+        tensor = &((DLManagedTensor *)managed)->dl_tensor;
+    }
+    cdl_view *view = PyObject_New(cdl_view, &cdl_view_type);
+    if (view == NULL) {
+        cdl_call_deleter(managed, versioned);
+        return NULL;
+    }
+    view->managed = managed;
+    view->tensor = tensor;
+    view->versioned = versioned;
+    view->read_only = read_only;
+    view->stream = stream == CDL_STREAM_NO_SYNC ? 0 : stream;
+    view->shape = view->strides = view->typestr = view->data = NULL;
+    view->weakreflist = NULL;
+    if (cdl_view_describe(view) < 0) {
+        Py_DECREF(view); /* dealloc runs the deleter */
+        return NULL;
+    }
+    return (PyObject *)view;
+}
+
+/* Calls obj.__dlpack__(stream=..., max_version=ours), then without max_version if that raises
+ * TypeError (a producer older than DLPack 1.0). Returns a new capsule reference or NULL. */
+static PyObject *cdl_call_dlpack(PyObject *obj, PyObject *stream)
+{
+    PyObject *method;
+    int found = cdl_lookup_attribute(obj, cdl_name.dlpack, &method);
+    if (found < 0)
+        return NULL;
+    if (found == 0) {
+        PyErr_Format(PyExc_TypeError, "expected a DLPack capsule or an object with __dlpack__, not %.200s",
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    PyObject *args[2] = {stream ? stream : Py_None, cdl_our_max_version};
+    PyObject *capsule = PyObject_Vectorcall(method, args, 0, cdl_dlpack_kwnames_full);
+    if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        capsule = PyObject_Vectorcall(method, args, 0, cdl_dlpack_kwnames_stream);
+    }
+    Py_DECREF(method);
+    if (capsule != NULL && !PyCapsule_CheckExact(capsule)) {
+        PyErr_Format(PyExc_TypeError, "%.200s.__dlpack__ returned %.200s, not a PyCapsule", Py_TYPE(obj)->tp_name,
+                     Py_TYPE(capsule)->tp_name);
+        Py_CLEAR(capsule);
+    }
+    return capsule;
+}
+
+PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream)
+{
+    int64_t consumer;
+    if (cdl_parse_stream(stream, "stream", 1, &consumer) < 0)
+        return NULL;
+    PyObject *capsule = PyCapsule_CheckExact(obj) ? Py_NewRef(obj) : cdl_call_dlpack(obj, stream);
+    if (capsule == NULL)
+        return NULL;
+    const char *name = PyCapsule_GetName(capsule);
+    int versioned = name != NULL && strcmp(name, "dltensor_versioned") == 0;
+    if (name == NULL || (!versioned && strcmp(name, "dltensor") != 0)) {
+        if (name != NULL && strncmp(name, "used_dltensor", 13) == 0)
+            PyErr_SetString(PyExc_BufferError, "this DLPack capsule was already consumed");
+        else if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "a PyCapsule named %s is not a DLPack tensor", name ? name : "NULL");
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    void *managed = PyCapsule_GetPointer(capsule, name);
+    if (managed == NULL ||
+        PyCapsule_SetName(capsule, versioned ? "used_dltensor_versioned" : "used_dltensor") < 0) {
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    Py_DECREF(capsule);
+    return cdl_view_new(managed, versioned, consumer);
+}
+
+/* ---- the view type ------------------------------------------------------------------------------- */
+
+static void cdl_view_dealloc(cdl_view *self)
+{
+    if (self->weakreflist != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    Py_XDECREF(self->shape);
+    Py_XDECREF(self->strides);
+    Py_XDECREF(self->typestr);
+    Py_XDECREF(self->data);
+    cdl_call_deleter(self->managed, self->versioned);
+    PyObject_Free(self);
+}
+
+static PyObject *cdl_view_interface(cdl_view *self, int with_stream)
+{
+    PyObject *stream = Py_None;
+    if (with_stream && self->stream != 0 && cdl_option_export_stream) {
+        stream = PyLong_FromLongLong(self->stream);
+        if (stream == NULL)
+            return NULL;
+    }
+    else {
+        Py_INCREF(stream);
+    }
+    PyObject *iface = Py_BuildValue("{sOsOsOsOsi}", "shape", self->shape, "typestr", self->typestr, "data",
+                                    self->data, "strides", self->strides, "version", 3);
+    if (iface != NULL && with_stream && PyDict_SetItem(iface, cdl_name.stream, stream) < 0)
+        Py_CLEAR(iface);
+    Py_DECREF(stream);
+    return iface;
+}
+
+static PyObject *cdl_view_get_cai(cdl_view *self, void *closure)
+{
+    (void)closure;
+    if (!cdl_device_accessible(self->tensor->device.device_type)) {
+        PyErr_SetString(PyExc_AttributeError,
+                        "__cuda_array_interface__: this tensor is in host memory (kDLCPU); use "
+                        "__array_interface__ or __dlpack__");
+        return NULL;
+    }
+    return cdl_view_interface(self, 1);
+}
+
+static PyObject *cdl_view_get_array_interface(cdl_view *self, void *closure)
+{
+    (void)closure;
+    if (!cdl_host_accessible(self->tensor->device.device_type)) {
+        PyErr_SetString(PyExc_AttributeError,
+                        "__array_interface__: this tensor is in device memory (kDLCUDA); use "
+                        "__cuda_array_interface__ or __dlpack__");
+        return NULL;
+    }
+    return cdl_view_interface(self, 0);
+}
+
+static PyObject *cdl_view_get_shape(cdl_view *self, void *closure)
+{
+    (void)closure;
+    return Py_NewRef(self->shape);
+}
+
+static PyObject *cdl_view_get_strides(cdl_view *self, void *closure)
+{
+    (void)closure;
+    return Py_NewRef(self->strides);
+}
+
+static PyObject *cdl_view_get_typestr(cdl_view *self, void *closure)
+{
+    (void)closure;
+    return Py_NewRef(self->typestr);
+}
+
+static PyObject *cdl_view_get_device(cdl_view *self, void *closure)
+{
+    (void)closure;
+    return cdl_device_tuple(self->tensor->device);
+}
+
+static PyObject *cdl_view_get_read_only(cdl_view *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(self->read_only);
+}
+
+/* The view's tensor as a record, for handing it on through __dlpack__. */
+static void cdl_array_from_view(const cdl_view *self, cdl_array *arr)
+{
+    const DLTensor *t = self->tensor;
+    arr->data = (char *)t->data + t->byte_offset;
+    arr->dtype = t->dtype;
+    arr->ndim = t->ndim;
+    arr->device = t->device;
+    arr->read_only = self->read_only;
+    arr->stream = self->stream;
+    int64_t stride = 1;
+    for (int32_t i = t->ndim - 1; i >= 0; i--) {
+        arr->shape[i] = t->shape[i];
+        arr->strides[i] = t->strides ? t->strides[i] : stride;
+        stride *= t->shape[i] > 1 ? t->shape[i] : 1;
+    }
+}
+
+static PyObject *cdl_view_dlpack(cdl_view *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *names[] = {cdl_name.stream, cdl_name.max_version, cdl_name.dl_device, cdl_name.copy};
+    PyObject *values[] = {NULL, NULL, NULL, NULL};
+    if (cdl_parse_keywords("__dlpack__", args, nargs, kwnames, 0, names, values, 4) < 0)
+        return NULL;
+    cdl_array arr;
+    cdl_array_from_view(self, &arr);
+    return cdl_export(&arr, (PyObject *)self, NULL, values[0], values[1], values[2], values[3]);
+}
+
+static PyObject *cdl_view_dlpack_device(cdl_view *self, PyObject *unused)
+{
+    (void)unused;
+    return cdl_device_tuple(self->tensor->device);
+}
+
+static PyObject *cdl_view_repr(cdl_view *self)
+{
+    return PyUnicode_FromFormat("<cai_dlpack.DLPackView shape=%R typestr=%R device=(%d, %d)%s>", self->shape,
+                                self->typestr, (int)self->tensor->device.device_type,
+                                (int)self->tensor->device.device_id, self->read_only ? " read-only" : "");
+}
+
+static PyGetSetDef cdl_view_getset[] = {
+    {"__cuda_array_interface__", (getter)cdl_view_get_cai, NULL, "CUDA Array Interface v3 dict (device-accessible memory)", NULL},
+    {"__array_interface__", (getter)cdl_view_get_array_interface, NULL, "NumPy array interface v3 dict (host-accessible memory)", NULL},
+    {"shape", (getter)cdl_view_get_shape, NULL, "shape tuple", NULL},
+    {"strides", (getter)cdl_view_get_strides, NULL, "byte strides, or None for C-contiguous", NULL},
+    {"typestr", (getter)cdl_view_get_typestr, NULL, "array-interface type string", NULL},
+    {"device", (getter)cdl_view_get_device, NULL, "(DLDeviceType, device_id)", NULL},
+    {"read_only", (getter)cdl_view_get_read_only, NULL, "whether the producer marked the data read-only", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef cdl_view_methods[] = {
+    {"__dlpack__", (PyCFunction)(void (*)(void))cdl_view_dlpack, METH_FASTCALL | METH_KEYWORDS,
+     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None): hand the tensor on (zero-copy)."},
+    {"__dlpack_device__", (PyCFunction)cdl_view_dlpack_device, METH_NOARGS, "(DLDeviceType, device_id)"},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject cdl_view_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cai_dlpack.DLPackView",
+    .tp_basicsize = sizeof(cdl_view),
+    .tp_dealloc = (destructor)cdl_view_dealloc,
+    .tp_repr = (reprfunc)cdl_view_repr,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A DLPack tensor owned by Python, exposed through the CUDA Array Interface (device memory) "
+              "and NumPy's array interface (host memory). Made by dlpack2cai().",
+    .tp_weaklistoffset = offsetof(cdl_view, weakreflist),
+    .tp_methods = cdl_view_methods,
+    .tp_getset = cdl_view_getset,
+};
+
+int cdl_view_type_init(void)
+{
+    cdl_dlpack_kwnames_full = Py_BuildValue("(ss)", "stream", "max_version");
+    cdl_dlpack_kwnames_stream = Py_BuildValue("(s)", "stream");
+    cdl_our_max_version = Py_BuildValue("(ii)", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
+    if (cdl_dlpack_kwnames_full == NULL || cdl_dlpack_kwnames_stream == NULL || cdl_our_max_version == NULL)
+        return -1;
+    return PyType_Ready(&cdl_view_type);
+}

@@ -1,0 +1,103 @@
+/* typestr <-> DLDataType: one table maps the type strings of the CAI and of NumPy's array
+ * interface onto DLPack types, and back. */
+#include "cdl_internal.h"
+
+typedef struct {
+    char kind;          /* typestr kind character */
+    uint8_t itemsize;   /* typestr size in bytes */
+    uint8_t code;       /* DLDataTypeCode */
+    uint8_t bits;
+    const char *typestr;
+} cdl_dtype_entry;
+
+static const cdl_dtype_entry cdl_dtype_table[] = {
+    {'b', 1, kDLBool, 8, "|b1"},
+    {'i', 1, kDLInt, 8, "|i1"},
+    {'i', 2, kDLInt, 16, "<i2"},
+    {'i', 4, kDLInt, 32, "<i4"},
+    {'i', 8, kDLInt, 64, "<i8"},
+    {'u', 1, kDLUInt, 8, "|u1"},
+    {'u', 2, kDLUInt, 16, "<u2"},
+    {'u', 4, kDLUInt, 32, "<u4"},
+    {'u', 8, kDLUInt, 64, "<u8"},
+    {'f', 2, kDLFloat, 16, "<f2"},
+    {'f', 4, kDLFloat, 32, "<f4"},
+    {'f', 8, kDLFloat, 64, "<f8"},
+    {'c', 8, kDLComplex, 64, "<c8"},
+    {'c', 16, kDLComplex, 128, "<c16"},
+};
+#define CDL_DTYPE_COUNT (sizeof(cdl_dtype_table) / sizeof(cdl_dtype_table[0]))
+
+/* The typestrs as Python strings, made once so a view never builds one per access. */
+static PyObject *cdl_typestr_objects[CDL_DTYPE_COUNT];
+
+#if PY_BIG_ENDIAN
+#define CDL_FOREIGN_BYTE_ORDER '<'
+#else
+#define CDL_FOREIGN_BYTE_ORDER '>'
+#endif
+
+int cdl_dtype_init(void)
+{
+    for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
+        cdl_typestr_objects[i] = PyUnicode_InternFromString(cdl_dtype_table[i].typestr);
+        if (cdl_typestr_objects[i] == NULL)
+            return -1;
+    }
+    return 0;
+}
+
+int cdl_parse_typestr(PyObject *typestr, DLDataType *out)
+{
+    if (!PyUnicode_Check(typestr)) {
+        PyErr_Format(PyExc_TypeError, "'typestr' must be a str, not %.200s", Py_TYPE(typestr)->tp_name);
+        return -1;
+    }
+    Py_ssize_t length;
+    const char *text = PyUnicode_AsUTF8AndSize(typestr, &length);
+    if (text == NULL)
+        return -1;
+    if (length < 3 || length > 4)
+        goto unsupported;
+    char order = text[0];
+    if (order == CDL_FOREIGN_BYTE_ORDER) {
+        PyErr_Format(PyExc_ValueError,
+                     "'typestr' %R has non-native byte order, which DLPack cannot describe", typestr);
+        return -1;
+    }
+    if (order != '<' && order != '>' && order != '|' && order != '=')
+        goto unsupported;
+    int itemsize = 0;
+    for (Py_ssize_t i = 2; i < length; i++) {
+        if (text[i] < '0' || text[i] > '9')
+            goto unsupported;
+        itemsize = itemsize * 10 + (text[i] - '0');
+    }
+    for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
+        const cdl_dtype_entry *entry = &cdl_dtype_table[i];
+        if (entry->kind == text[1] && entry->itemsize == itemsize) {
+            out->code = entry->code;
+            out->bits = entry->bits;
+            out->lanes = 1;
+            return 0;
+        }
+    }
+unsupported:
+    PyErr_Format(PyExc_ValueError,
+                 "'typestr' %R has no DLPack equivalent (supported: b1, i1-i8, u1-u8, f2-f8, c8, c16)", typestr);
+    return -1;
+}
+
+PyObject *cdl_typestr_from_dtype(DLDataType dtype)
+{
+    if (dtype.lanes == 1) {
+        for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
+            if (cdl_dtype_table[i].code == dtype.code && cdl_dtype_table[i].bits == dtype.bits)
+                return Py_NewRef(cdl_typestr_objects[i]);
+        }
+    }
+    PyErr_Format(PyExc_BufferError,
+                 "DLPack dtype (code=%d, bits=%d, lanes=%d) has no array-interface typestr",
+                 (int)dtype.code, (int)dtype.bits, (int)dtype.lanes);
+    return NULL;
+}

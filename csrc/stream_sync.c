@@ -1,0 +1,151 @@
+/* Stream ordering between a producer and a consumer: an event recorded on the producer's stream
+ * and waited on by the consumer's, so the device orders the work and the host never blocks. */
+#include "cdl_internal.h"
+#include "cuda_runtime_table.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+int cdl_option_sync = 1;
+int cdl_option_export_stream = 1;
+
+/* One reusable event per device. A stream that waits on an event captures the event's state at
+ * cudaStreamWaitEvent time, so the event can be recorded again at once; the GIL, held through
+ * record and wait, keeps two conversions from sharing one between those calls. */
+static cudaEvent_t *cdl_event_pool;
+static int cdl_event_pool_size;
+
+static int cdl_env_flag(const char *name, int fallback)
+{
+    const char *value = getenv(name);
+    if (value == NULL || value[0] == '\0')
+        return fallback;
+    return !(strcmp(value, "0") == 0 || strcmp(value, "false") == 0 || strcmp(value, "False") == 0 ||
+             strcmp(value, "no") == 0 || strcmp(value, "off") == 0);
+}
+
+void cdl_stream_options_init(void)
+{
+    cdl_option_sync = cdl_env_flag("CAI_DLPACK_SYNC", 1);
+    cdl_option_export_stream = cdl_env_flag("CAI_DLPACK_EXPORT_STREAM", 1);
+}
+
+int cdl_parse_stream(PyObject *value, const char *what, int consumer, int64_t *out)
+{
+    if (value == NULL || value == Py_None) {
+        /* The array API's None is the legacy default stream; a CAI's None is "no stream". */
+        *out = consumer ? CDL_STREAM_LEGACY : 0;
+        return 0;
+    }
+    if (!PyLong_Check(value) || PyBool_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "%s must be None or an int, not %.200s", what, Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    int overflow;
+    long long stream = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (stream == -1 && !overflow && PyErr_Occurred())
+        return -1;
+    if (overflow || stream == 0 || stream < (consumer ? CDL_STREAM_NO_SYNC : 1)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s %R is not a valid stream (%s1 for the legacy default, 2 for the per-thread "
+                     "default, or a cudaStream_t handle; 0 is ambiguous and refused)",
+                     what, value, consumer ? "None, -1 for no synchronization, " : "None, ");
+        return -1;
+    }
+    *out = stream;
+    return 0;
+}
+
+/* The pool's event of a device, made on first use. The device must be current. */
+static int cdl_pooled_event(const cdl_cudart *rt, int device, cudaEvent_t *event)
+{
+    if (device >= cdl_event_pool_size) {
+        int size = device + 1 > 8 ? device + 1 : 8;
+        cudaEvent_t *grown = PyMem_RawRealloc(cdl_event_pool, (size_t)size * sizeof(cudaEvent_t));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memset(grown + cdl_event_pool_size, 0, (size_t)(size - cdl_event_pool_size) * sizeof(cudaEvent_t));
+        cdl_event_pool = grown;
+        cdl_event_pool_size = size;
+    }
+    if (cdl_event_pool[device] == NULL) {
+        cudaError_t status = rt->event_create_with_flags(&cdl_event_pool[device], cudaEventDisableTiming);
+        if (status != cudaSuccess) {
+            cdl_event_pool[device] = NULL;
+            return cdl_raise_cuda_error("cudaEventCreateWithFlags", status);
+        }
+    }
+    *event = cdl_event_pool[device];
+    return 0;
+}
+
+int cdl_order_streams(DLDevice device, int64_t producer, int64_t consumer)
+{
+    if (!cdl_option_sync || producer == 0 || consumer == CDL_STREAM_NO_SYNC || producer == consumer)
+        return 0;
+    if (device.device_type == kDLCPU)
+        return 0;
+    const cdl_cudart *rt = cdl_cudart_get();
+    if (rt == NULL)
+        return -1;
+    int previous;
+    cudaError_t status = rt->get_device(&previous);
+    if (status != cudaSuccess)
+        return cdl_raise_cuda_error("cudaGetDevice", status);
+    if (previous != device.device_id) {
+        status = rt->set_device(device.device_id);
+        if (status != cudaSuccess)
+            return cdl_raise_cuda_error("cudaSetDevice", status);
+    }
+    int result = -1;
+    cudaEvent_t event = NULL;
+    if (cdl_pooled_event(rt, device.device_id, &event) < 0)
+        goto done;
+    status = rt->event_record(event, (cudaStream_t)(uintptr_t)producer);
+    if (status != cudaSuccess) {
+        cdl_raise_cuda_error("cudaEventRecord", status);
+        goto done;
+    }
+    status = rt->stream_wait_event((cudaStream_t)(uintptr_t)consumer, event, 0);
+    if (status != cudaSuccess) {
+        cdl_raise_cuda_error("cudaStreamWaitEvent", status);
+        goto done;
+    }
+    result = 0;
+done:
+    if (previous != device.device_id) {
+        status = rt->set_device(previous);
+        if (status != cudaSuccess && result == 0)
+            result = cdl_raise_cuda_error("cudaSetDevice", status);
+    }
+    return result;
+}
+
+PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    (void)module;
+    PyObject *names[] = {cdl_name.sync, cdl_name.export_stream};
+    PyObject *values[] = {NULL, NULL};
+    int *options[] = {&cdl_option_sync, &cdl_option_export_stream};
+    if (cdl_parse_keywords("options", args, nargs, kwnames, 0, names, values, 2) < 0)
+        return NULL;
+    int chosen[2];
+    for (int i = 0; i < 2; i++) {
+        chosen[i] = *options[i];
+        if (values[i] != NULL && values[i] != Py_None) {
+            if (!PyBool_Check(values[i])) {
+                PyErr_Format(PyExc_TypeError, "options(%U=...) must be a bool, not %.200s", names[i],
+                             Py_TYPE(values[i])->tp_name);
+                return NULL;
+            }
+            chosen[i] = values[i] == Py_True;
+        }
+    }
+    /* Applied only once every argument is known to be valid: nothing half-done. */
+    for (int i = 0; i < 2; i++)
+        *options[i] = chosen[i];
+    return Py_BuildValue("{s:O, s:O}", "sync", cdl_option_sync ? Py_True : Py_False, "export_stream",
+                         cdl_option_export_stream ? Py_True : Py_False);
+}

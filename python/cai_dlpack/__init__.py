@@ -1,0 +1,34 @@
+"""Zero-copy bridge between the CUDA Array Interface (v3) and DLPack.
+
+- ``cai2dlpack(obj, *, stream=None, max_version=None, owner=None)``: DLPack capsule from a CAI object,
+  an ``__array_interface__`` object, or a CAI dict with ``owner=``.
+- ``dlpack2cai(x, *, stream=None)``: a ``DLPackView`` owning the DLPack tensor and exposing
+  ``__cuda_array_interface__`` (device memory) / ``__array_interface__`` (host memory).
+- ``DLPackShim(obj)``: gives any CAI object ``__dlpack__`` / ``__dlpack_device__``.
+- ``options(sync=None, export_stream=None)``: the CAI spec's stream opt-outs.
+"""
+from ._core import (
+    CUDART_HEADER_MAJOR,
+    DLPACK_VERSION,
+    CudaError,
+    DLPackShim,
+    DLPackView,
+    cai2dlpack,
+    cuda_runtime_info,
+    dlpack2cai,
+    options,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CUDART_HEADER_MAJOR",
+    "DLPACK_VERSION",
+    "CudaError",
+    "DLPackShim",
+    "DLPackView",
+    "cai2dlpack",
+    "cuda_runtime_info",
+    "dlpack2cai",
+    "options",
+]
