@@ -1,0 +1,20 @@
+"""Test setup: builds the CUDA runtime test double and points cai_dlpack at it, before any CUDA use."""
+import gc
+import os
+
+import pytest
+
+from support import cuda_double
+
+_DOUBLE_PATH = cuda_double.build()
+os.environ["CAI_DLPACK_CUDART"] = _DOUBLE_PATH
+_DOUBLE = cuda_double.CudaDouble(_DOUBLE_PATH)
+
+
+@pytest.fixture
+def cudart():
+    """The CUDA runtime double, reset: 4 devices, device 0 current, no regions, empty log."""
+    _DOUBLE.reset()
+    yield _DOUBLE
+    _DOUBLE.reset()
+    gc.collect()

@@ -1,0 +1,324 @@
+/* A test double of the CUDA runtime (libcudart), loaded by cai_dlpack through CAI_DLPACK_CUDART:
+ * it answers pointer-attribute queries from a table the tests fill, fakes devices and events,
+ * records every call in a log, and fails chosen calls on request. Driven from Python by ctypes. */
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#define API __attribute__((visibility("default")))
+
+typedef int cudaError_t;
+typedef void *cudaStream_t;
+typedef void *cudaEvent_t;
+
+/* Same layout as the runtime's struct cudaPointerAttributes (CUDA 11 and later). */
+struct cudaPointerAttributes {
+    int type;
+    int device;
+    void *devicePointer;
+    void *hostPointer;
+};
+
+enum { SUCCESS = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, INVALID_RESOURCE_HANDLE = 400 };
+
+#define MAX_REGIONS 64
+#define MAX_EVENTS 4096
+#define MAX_FAILURES 16
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static struct { uintptr_t start; size_t size; int type; int device; } regions[MAX_REGIONS];
+static int region_count;
+static int current_device;
+static int device_count = 4;
+static int last_error;
+static char log_text[1 << 18];
+static size_t log_length;
+static struct { char name[64]; int code; int remaining; } failures[MAX_FAILURES];
+static int failure_count;
+static int event_device[MAX_EVENTS]; /* device + 1 while alive, 0 when free */
+static int events_created, events_destroyed;
+
+static const struct { int code; const char *name; const char *text; } error_table[] = {
+    {0, "cudaSuccess", "no error"},
+    {1, "cudaErrorInvalidValue", "invalid argument"},
+    {2, "cudaErrorMemoryAllocation", "out of memory"},
+    {100, "cudaErrorNoDevice", "no CUDA-capable device is detected"},
+    {101, "cudaErrorInvalidDevice", "invalid device ordinal"},
+    {400, "cudaErrorInvalidResourceHandle", "invalid resource handle"},
+    {700, "cudaErrorIllegalAddress", "an illegal memory access was encountered"},
+    {999, "cudaErrorUnknown", "unknown error"},
+};
+
+static void note(const char *format, ...)
+{
+    va_list args;
+    va_start(args, format);
+    if (log_length < sizeof(log_text) - 256) {
+        log_length += (size_t)vsnprintf(log_text + log_length, sizeof(log_text) - log_length, format, args);
+        log_text[log_length++] = '\n';
+        log_text[log_length] = '\0';
+    }
+    va_end(args);
+}
+
+/* The error code a call is told to return, or 0. */
+static int injected(const char *name)
+{
+    for (int i = 0; i < failure_count; i++) {
+        if (failures[i].remaining != 0 && strcmp(failures[i].name, name) == 0) {
+            if (failures[i].remaining > 0)
+                failures[i].remaining--;
+            last_error = failures[i].code;
+            return failures[i].code;
+        }
+    }
+    return 0;
+}
+
+static int event_id(cudaEvent_t event) { return (int)((uintptr_t)event - 0xE000); }
+
+/* ---- runtime API ------------------------------------------------------------------------------- */
+
+API const char *cudaGetErrorName(cudaError_t code)
+{
+    for (size_t i = 0; i < sizeof(error_table) / sizeof(error_table[0]); i++)
+        if (error_table[i].code == code)
+            return error_table[i].name;
+    return "cudaErrorUnrecognized";
+}
+
+API const char *cudaGetErrorString(cudaError_t code)
+{
+    for (size_t i = 0; i < sizeof(error_table) / sizeof(error_table[0]); i++)
+        if (error_table[i].code == code)
+            return error_table[i].text;
+    return "unrecognized error code";
+}
+
+API cudaError_t cudaGetLastError(void)
+{
+    pthread_mutex_lock(&lock);
+    int code = last_error;
+    last_error = 0;
+    note("cudaGetLastError() -> %d", code);
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *attributes, const void *pointer)
+{
+    pthread_mutex_lock(&lock);
+    note("cudaPointerGetAttributes(%#lx)", (unsigned long)(uintptr_t)pointer);
+    int code = injected("cudaPointerGetAttributes");
+    if (code == 0) {
+        attributes->type = 0;
+        attributes->device = -2;
+        attributes->devicePointer = attributes->hostPointer = NULL;
+        for (int i = 0; i < region_count; i++) {
+            uintptr_t p = (uintptr_t)pointer;
+            if (p >= regions[i].start && p < regions[i].start + regions[i].size) {
+                attributes->type = regions[i].type;
+                attributes->device = regions[i].device;
+                attributes->devicePointer = (void *)pointer;
+                attributes->hostPointer = regions[i].type == 2 ? NULL : (void *)pointer;
+            }
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaGetDevice(int *device)
+{
+    pthread_mutex_lock(&lock);
+    int code = injected("cudaGetDevice");
+    if (code == 0)
+        *device = current_device;
+    note("cudaGetDevice() -> %d", code == 0 ? current_device : -1);
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaSetDevice(int device)
+{
+    pthread_mutex_lock(&lock);
+    note("cudaSetDevice(%d)", device);
+    int code = injected("cudaSetDevice");
+    if (code == 0 && (device < 0 || device >= device_count))
+        code = last_error = INVALID_DEVICE;
+    if (code == 0)
+        current_device = device;
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaGetDeviceCount(int *count)
+{
+    pthread_mutex_lock(&lock);
+    note("cudaGetDeviceCount()");
+    int code = injected("cudaGetDeviceCount");
+    if (code == 0)
+        *count = device_count;
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaRuntimeGetVersion(int *version)
+{
+    *version = 13000;
+    return 0;
+}
+
+API cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags)
+{
+    pthread_mutex_lock(&lock);
+    int code = injected("cudaEventCreateWithFlags");
+    int id = 1;
+    while (code == 0 && id < MAX_EVENTS && event_device[id] != 0)
+        id++;
+    if (code == 0 && id == MAX_EVENTS)
+        code = last_error = 2;
+    if (code == 0) {
+        event_device[id] = current_device + 1;
+        events_created++;
+        *event = (cudaEvent_t)(uintptr_t)(0xE000 + id);
+        note("cudaEventCreateWithFlags(%#x) -> ev%d", flags, id);
+    }
+    else {
+        note("cudaEventCreateWithFlags(%#x) -> error %d", flags, code);
+    }
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaEventDestroy(cudaEvent_t event)
+{
+    pthread_mutex_lock(&lock);
+    int id = event_id(event), code = 0;
+    note("cudaEventDestroy(ev%d)", id);
+    if (id <= 0 || id >= MAX_EVENTS || event_device[id] == 0)
+        code = last_error = INVALID_RESOURCE_HANDLE;
+    else {
+        event_device[id] = 0;
+        events_destroyed++;
+    }
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
+{
+    pthread_mutex_lock(&lock);
+    int id = event_id(event);
+    note("cudaEventRecord(ev%d, %lu)", id, (unsigned long)(uintptr_t)stream);
+    int code = injected("cudaEventRecord");
+    /* The runtime refuses an event recorded while another device is current. */
+    if (code == 0 && (id <= 0 || id >= MAX_EVENTS || event_device[id] != current_device + 1))
+        code = last_error = INVALID_RESOURCE_HANDLE;
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags)
+{
+    pthread_mutex_lock(&lock);
+    int id = event_id(event);
+    note("cudaStreamWaitEvent(%lu, ev%d, %u)", (unsigned long)(uintptr_t)stream, id, flags);
+    int code = injected("cudaStreamWaitEvent");
+    if (code == 0 && (id <= 0 || id >= MAX_EVENTS || event_device[id] == 0))
+        code = last_error = INVALID_RESOURCE_HANDLE;
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaStreamSynchronize(cudaStream_t stream)
+{
+    pthread_mutex_lock(&lock);
+    note("cudaStreamSynchronize(%lu)", (unsigned long)(uintptr_t)stream);
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+API cudaError_t cudaDeviceSynchronize(void)
+{
+    pthread_mutex_lock(&lock);
+    note("cudaDeviceSynchronize()");
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+/* ---- controls for the tests -------------------------------------------------------------------- */
+
+API void double_reset(void)
+{
+    pthread_mutex_lock(&lock);
+    region_count = failure_count = 0;
+    current_device = last_error = 0;
+    device_count = 4;
+    log_length = 0;
+    log_text[0] = '\0';
+    pthread_mutex_unlock(&lock);
+}
+
+API void double_clear_log(void)
+{
+    pthread_mutex_lock(&lock);
+    log_length = 0;
+    log_text[0] = '\0';
+    pthread_mutex_unlock(&lock);
+}
+
+API const char *double_log(void) { return log_text; }
+
+/* type: 0 unregistered, 1 pinned host, 2 device, 3 managed. */
+API int double_add_region(uintptr_t start, size_t size, int type, int device)
+{
+    pthread_mutex_lock(&lock);
+    int ok = region_count < MAX_REGIONS;
+    if (ok)
+        regions[region_count].start = start, regions[region_count].size = size, regions[region_count].type = type,
+        regions[region_count].device = device, region_count++;
+    pthread_mutex_unlock(&lock);
+    return ok ? 0 : -1;
+}
+
+/* The next count calls of name return code (count < 0: every call until reset). */
+API int double_fail(const char *name, int code, int count)
+{
+    pthread_mutex_lock(&lock);
+    int ok = failure_count < MAX_FAILURES;
+    if (ok) {
+        snprintf(failures[failure_count].name, sizeof(failures[0].name), "%s", name);
+        failures[failure_count].code = code;
+        failures[failure_count].remaining = count;
+        failure_count++;
+    }
+    pthread_mutex_unlock(&lock);
+    return ok ? 0 : -1;
+}
+
+API int double_current_device(void) { return current_device; }
+API void double_set_current_device(int device) { current_device = device; }
+API void double_set_device_count(int count) { device_count = count; }
+API int double_last_error(void) { return last_error; }
+API int double_events_created(void) { return events_created; }
+API int double_events_alive(void) { return events_created - events_destroyed; }
+
+/* Calls fn(arg) on a new thread that has never held the GIL, and waits for it. */
+static void *trampoline(void *pair)
+{
+    void (**call)(void *) = pair;
+    call[0](((void **)pair)[1]);
+    return NULL;
+}
+
+API int double_call_in_thread(void (*fn)(void *), void *arg)
+{
+    void *pair[2] = {(void *)fn, arg};
+    pthread_t thread;
+    if (pthread_create(&thread, NULL, trampoline, pair) != 0)
+        return -1;
+    return pthread_join(thread, NULL);
+}
