@@ -1,5 +1,4 @@
 """Test setup: builds the CUDA runtime test double and points cai_dlpack at it, before any CUDA use."""
-import gc
 import os
 
 import pytest
@@ -17,4 +16,3 @@ def cudart():
     _DOUBLE.reset()
     yield _DOUBLE
     _DOUBLE.reset()
-    gc.collect()

@@ -1,0 +1,181 @@
+"""Stream ordering through the CUDA runtime double: the exact runtime calls for every pair of producer
+and consumer streams, in both directions, and that the host is never made to wait."""
+import sys
+
+import numpy as np
+import pytest
+
+import cai_dlpack
+from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai
+from support.cai_objects import CaiArray, register
+from support.cuda_double import DEVICE, MANAGED
+
+S1, S2 = 0x5000, 0x6000
+STREAMS = [None, 1, 2, S1, S2, -1]
+BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def ordering_calls(log):
+    """The log without pointer queries: what the conversion did to order streams."""
+    return [line for line in log if not line.startswith("cudaPointerGetAttributes")]
+
+
+def expected_calls(producer, consumer, data_device, current_device):
+    """The calls an event-ordered conversion must make (the pooled event is already made)."""
+    consumer_stream = 1 if consumer is None else consumer
+    if producer is None or consumer_stream == -1 or producer == consumer_stream:
+        return []
+    calls = [f"cudaGetDevice() -> {current_device}"]
+    if data_device != current_device:
+        calls.append(f"cudaSetDevice({data_device})")
+    calls += [f"cudaEventRecord(ev{{}}, {producer})", f"cudaStreamWaitEvent({consumer_stream}, ev{{}}, 0)"]
+    if data_device != current_device:
+        calls.append(f"cudaSetDevice({current_device})")
+    return calls
+
+
+def strip_event_ids(calls):
+    import re
+
+    return [re.sub(r"ev\d+", "ev{}", call) for call in calls]
+
+
+@pytest.fixture
+def device_array(cudart):
+    host = np.arange(12, dtype=np.float32).reshape(3, 4)
+    register(cudart, host, DEVICE, device=2)
+    # Make the pooled event of device 2 once, so every case below sees the steady state.
+    cai2dlpack(CaiArray(host, stream=S1), stream=S2)
+    cudart.clear_log()
+    return host
+
+
+@pytest.mark.parametrize("producer", STREAMS)
+@pytest.mark.parametrize("consumer", STREAMS)
+def test_cai2dlpack_stream_pairs(cudart, device_array, producer, consumer):
+    obj = CaiArray(device_array, stream=producer)
+    if producer == -1:
+        with pytest.raises(ValueError, match="'stream' -1 is not a valid stream"):
+            cai2dlpack(obj, stream=consumer)
+        assert cudart.log() == []
+        return
+    cai2dlpack(obj, stream=consumer)
+    calls = ordering_calls(cudart.log())
+    assert strip_event_ids(calls) == expected_calls(producer, consumer, 2, 0)
+    assert not any(call.startswith(BLOCKING) for call in cudart.log())
+    assert cudart.current_device == 0
+
+
+@pytest.mark.parametrize("producer", [p for p in STREAMS if p != -1])
+@pytest.mark.parametrize("consumer", STREAMS)
+def test_dlpack2cai_stream_pairs(cudart, device_array, producer, consumer):
+    """dlpack2cai asks the producer for data ready on the consumer stream and exports that stream."""
+    view = dlpack2cai(DLPackShim(CaiArray(device_array, stream=producer)), stream=consumer)
+    calls = ordering_calls(cudart.log())
+    assert strip_event_ids(calls) == expected_calls(producer, consumer, 2, 0)
+    assert not any(call.startswith(BLOCKING) for call in cudart.log())
+    exported = view.__cuda_array_interface__["stream"]
+    assert exported == {None: 1, -1: None}.get(consumer, consumer)
+    # Handing the view on orders its stream before the next consumer's.
+    cudart.clear_log()
+    for next_consumer in STREAMS:
+        cudart.clear_log()
+        view.__dlpack__(stream=next_consumer, max_version=(1, 0))
+        assert strip_event_ids(ordering_calls(cudart.log())) == expected_calls(exported, next_consumer, 2, 0)
+
+
+def test_same_device_needs_no_device_switch(cudart):
+    host = np.zeros(4)
+    register(cudart, host, DEVICE, device=0)
+    cai2dlpack(CaiArray(host, stream=S1), stream=S2)
+    calls = strip_event_ids(ordering_calls(cudart.log()))
+    assert "cudaSetDevice(0)" not in calls and "cudaSetDevice(2)" not in calls
+    assert calls[-2:] == [f"cudaEventRecord(ev{{}}, {S1})", f"cudaStreamWaitEvent({S2}, ev{{}}, 0)"]
+
+
+def test_events_are_pooled(cudart):
+    host = np.zeros(4)
+    register(cudart, host, MANAGED, device=1)
+    before = cudart.events_created
+    for i in range(500):
+        cai2dlpack(CaiArray(host, stream=S1 + (i % 7)), stream=S2)
+    assert cudart.events_created - before <= 1
+    assert cudart.log().count("cudaSetDevice(1)") == 500
+
+
+def test_event_made_on_data_device_without_timing(cudart):
+    host = np.zeros(4)
+    register(cudart, host, DEVICE, device=3)
+    cai2dlpack(CaiArray(host, stream=S1), stream=S2)
+    log = cudart.log()
+    creations = [i for i, call in enumerate(log) if call.startswith("cudaEventCreateWithFlags")]
+    if creations:  # made here, not by an earlier test in this process
+        assert log[creations[0]].startswith("cudaEventCreateWithFlags(0x2)")  # cudaEventDisableTiming
+        assert "cudaSetDevice(3)" in log[: creations[0]]
+
+
+@pytest.mark.parametrize("failing", ["cudaEventRecord", "cudaStreamWaitEvent", "cudaSetDevice", "cudaGetDevice"])
+def test_cuda_errors_leak_nothing_and_restore_the_device(cudart, failing):
+    host = np.zeros(4)
+    register(cudart, host, DEVICE, device=2)
+    obj = CaiArray(host, stream=S1)
+    cai2dlpack(obj, stream=S2)  # the pooled event exists
+    events = cudart.events_alive
+    references = sys.getrefcount(obj)
+    cudart.current_device = 1
+    cudart.fail(failing, 400)
+    with pytest.raises(CudaError, match=f"{failing} failed: cudaErrorInvalidResourceHandle"):
+        cai2dlpack(obj, stream=S2)
+    assert cudart.current_device == 1
+    assert cudart.last_error == 0
+    assert cudart.events_alive == events
+    assert sys.getrefcount(obj) == references
+    # The next conversion works.
+    cai2dlpack(obj, stream=S2)
+    assert cudart.current_device == 1
+
+
+def test_event_creation_failure(cudart):
+    host = np.zeros(4)
+    register(cudart, host, DEVICE, device=3)
+    # Device 3's event may exist from an earlier test; use a device no test uses.
+    cudart.lib.double_set_device_count(8)
+    register(cudart, host, DEVICE, device=7)
+    cudart.reset()
+    cudart.lib.double_set_device_count(8)
+    register(cudart, host, DEVICE, device=7)
+    cudart.fail("cudaEventCreateWithFlags", 2)
+    with pytest.raises(CudaError, match="cudaEventCreateWithFlags failed: cudaErrorMemoryAllocation"):
+        cai2dlpack(CaiArray(host, stream=S1), stream=S2)
+    assert cudart.current_device == 0
+    cai2dlpack(CaiArray(host, stream=S1), stream=S2)
+
+
+def test_opt_outs(cudart, device_array):
+    try:
+        assert cai_dlpack.options(sync=False) == {"sync": False, "export_stream": True}
+        cai2dlpack(CaiArray(device_array, stream=S1), stream=S2)
+        assert ordering_calls(cudart.log()) == []
+        cai_dlpack.options(sync=True, export_stream=False)
+        view = dlpack2cai(cai2dlpack(CaiArray(device_array), stream=S2), stream=S2)
+        assert view.__cuda_array_interface__["stream"] is None
+        with pytest.raises(TypeError, match="sync"):
+            cai_dlpack.options(sync=1)
+        assert cai_dlpack.options() == {"sync": True, "export_stream": False}
+    finally:
+        cai_dlpack.options(sync=True, export_stream=True)
+
+
+@pytest.mark.parametrize("bad,error", [(0, ValueError), (-2, ValueError), (True, TypeError), ("1", TypeError),
+                                       (2**64, ValueError)])
+def test_bad_consumer_streams(cudart, device_array, bad, error):
+    with pytest.raises(error, match="stream"):
+        cai2dlpack(CaiArray(device_array, stream=S1), stream=bad)
+    with pytest.raises(error, match="stream"):
+        dlpack2cai(np.zeros(2), stream=bad)
+
+
+@pytest.mark.parametrize("bad,error", [(0, ValueError), (-1, ValueError), (True, TypeError), (1.0, TypeError)])
+def test_bad_producer_streams(cudart, device_array, bad, error):
+    with pytest.raises(error, match="__cuda_array_interface__ 'stream'"):
+        cai2dlpack(CaiArray(device_array, stream=bad))
