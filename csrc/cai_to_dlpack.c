@@ -193,7 +193,7 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
     out->ndim = (int32_t)ndim;
 
     value = cdl_required(iface, cdl_name.typestr, source);
-    if (value == NULL || cdl_parse_typestr(value, &out->dtype) < 0)
+    if (value == NULL || cdl_parse_typestr(value, cdl_source_name(source), &out->dtype) < 0)
         return -1;
     int64_t itemsize = cdl_itemsize(out->dtype);
 

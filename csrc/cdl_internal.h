@@ -58,8 +58,8 @@ extern int cdl_option_sync;            /* 0: consumers ignore producer streams *
 extern int cdl_option_export_stream;   /* 0: producers export "stream": None */
 
 /* dtype.c ---------------------------------------------------------------------------------------- */
-/* Returns 0 with *out filled, or -1 with ValueError/TypeError naming the typestr. */
-int cdl_parse_typestr(PyObject *typestr, DLDataType *out);
+/* Returns 0 with *out filled, or -1 with ValueError/TypeError naming where (the interface) and the typestr. */
+int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out);
 /* Returns a new reference to the typestr of dtype, or NULL with BufferError naming code/bits/lanes. */
 PyObject *cdl_typestr_from_dtype(DLDataType dtype);
 /* Bytes per element of a dtype the table knows. */

@@ -23,8 +23,15 @@ static PyObject *cdl_dlpack_kwnames_full;     /* ("stream", "max_version") */
 static PyObject *cdl_dlpack_kwnames_stream;   /* ("stream",) */
 static PyObject *cdl_our_max_version;         /* (DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION) */
 
+/* Runs the producer's deleter, which may run Python code: an exception already set survives it. */
 static void cdl_call_deleter(void *managed, int versioned)
 {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *pending = PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+#endif
     if (versioned) {
         DLManagedTensorVersioned *m = managed;
         if (m->deleter)
@@ -35,6 +42,11 @@ static void cdl_call_deleter(void *managed, int versioned)
         if (m->deleter)
             m->deleter(m);
     }
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(pending);
+#else
+    PyErr_Restore(type, value, traceback);
+#endif
 }
 
 static int cdl_host_accessible(DLDeviceType type)

@@ -47,10 +47,10 @@ int cdl_dtype_init(void)
     return 0;
 }
 
-int cdl_parse_typestr(PyObject *typestr, DLDataType *out)
+int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
 {
     if (!PyUnicode_Check(typestr)) {
-        PyErr_Format(PyExc_TypeError, "'typestr' must be a str, not %.200s", Py_TYPE(typestr)->tp_name);
+        PyErr_Format(PyExc_TypeError, "%s 'typestr' must be a str, not %.200s", where, Py_TYPE(typestr)->tp_name);
         return -1;
     }
     Py_ssize_t length;
@@ -62,7 +62,7 @@ int cdl_parse_typestr(PyObject *typestr, DLDataType *out)
     char order = text[0];
     if (order == CDL_FOREIGN_BYTE_ORDER) {
         PyErr_Format(PyExc_ValueError,
-                     "'typestr' %R has non-native byte order, which DLPack cannot describe", typestr);
+                     "%s 'typestr' %R has non-native byte order, which DLPack cannot describe", where, typestr);
         return -1;
     }
     if (order != '<' && order != '>' && order != '|' && order != '=')
@@ -84,7 +84,8 @@ int cdl_parse_typestr(PyObject *typestr, DLDataType *out)
     }
 unsupported:
     PyErr_Format(PyExc_ValueError,
-                 "'typestr' %R has no DLPack equivalent (supported: b1, i1-i8, u1-u8, f2-f8, c8, c16)", typestr);
+                 "%s 'typestr' %R has no DLPack equivalent (supported: b1, i1-i8, u1-u8, f2-f8, c8, c16)", where,
+                 typestr);
     return -1;
 }
 

@@ -1,0 +1,323 @@
+"""Every refusal: the exception type, and a message that names the key and the value."""
+import numpy as np
+import pytest
+
+from cai_dlpack import DLPackShim, DLPackView, cai2dlpack, dlpack2cai
+from support.cuda_double import DEVICE
+from support.dlpack_ctypes import MadeTensor, kDLBfloat, kDLCPU, kDLCUDA, kDLFloat, kDLOpaqueHandle, kDLROCM
+
+HOST = np.arange(12, dtype=np.float32)
+POINTER = HOST.__array_interface__["data"][0]
+
+
+def cai(**changes):
+    iface = {"shape": (12,), "typestr": "<f4", "data": (POINTER, False), "version": 3}
+    for key, value in changes.items():
+        if value is KeyError:
+            del iface[key]
+        else:
+            iface[key] = value
+    return iface
+
+
+@pytest.fixture
+def device_host(cudart):
+    cudart.add_region(POINTER, HOST.nbytes, DEVICE, 0)
+    return HOST
+
+
+CASES = [
+    # (changes, exception, message fragment)
+    (dict(version=KeyError), ValueError, "lacks the required key 'version'"),
+    (dict(shape=KeyError), ValueError, "lacks the required key 'shape'"),
+    (dict(typestr=KeyError), ValueError, "lacks the required key 'typestr'"),
+    (dict(data=KeyError), ValueError, "lacks the required key 'data'"),
+    (dict(version=4), ValueError, "'version' is 4"),
+    (dict(version=-1), ValueError, "'version' is -1"),
+    (dict(version="3"), TypeError, "'version' must be an int, not str"),
+    (dict(version=True), TypeError, "'version' must be an int, not bool"),
+    (dict(shape=[12]), None, None),
+    (dict(shape=12), TypeError, "'shape' must be a tuple of ints, not int"),
+    (dict(shape=(3, -4)), ValueError, "'shape'[1] is -4"),
+    (dict(shape=(3, True)), TypeError, "'shape'[1] must be an int, not bool"),
+    (dict(shape=(3, 4.0)), TypeError, "'shape'[1] must be an int, not float"),
+    (dict(shape=(2**63,)), ValueError, "'shape'[0] is 9223372036854775808"),
+    (dict(shape=(2**32, 2**32)), ValueError, "more elements than fit in 64 bits"),
+    (dict(shape=(1,) * 65), ValueError, "'shape' has 65 entries"),
+    (dict(shape=(2**62,)), ValueError, "outside the address space"),
+    (dict(typestr=">f4"), ValueError, "'typestr' '>f4' has non-native byte order"),
+    (dict(typestr="<f16"), ValueError, "'typestr' '<f16' has no DLPack equivalent"),
+    (dict(typestr="|O8"), ValueError, "'typestr' '|O8' has no DLPack equivalent"),
+    (dict(typestr="<U4"), ValueError, "'typestr' '<U4'"),
+    (dict(typestr="|V8"), ValueError, "'typestr' '|V8'"),
+    (dict(typestr="<M8"), ValueError, "'typestr' '<M8'"),
+    (dict(typestr="<m8"), ValueError, "'typestr' '<m8'"),
+    (dict(typestr="|S4"), ValueError, "'typestr' '|S4'"),
+    (dict(typestr="f4"), ValueError, "'typestr' 'f4'"),
+    (dict(typestr=b"<f4"), TypeError, "'typestr' must be a str, not bytes"),
+    (dict(data=POINTER), TypeError, "'data' must be a (pointer, read_only) tuple, not int"),
+    (dict(data=(POINTER,)), ValueError, "'data' must be a (pointer, read_only) pair"),
+    (dict(data=(POINTER, 0)), TypeError, "'data'[1] (read-only) must be a bool, not int"),
+    (dict(data=(float(POINTER), False)), TypeError, "'data'[0] (the pointer) must be an int, not float"),
+    (dict(data=(-16, False)), ValueError, "'data'[0] is -16"),
+    (dict(data=(2**64, False)), ValueError, "'data'[0] is 18446744073709551616"),
+    (dict(data=(0, False)), ValueError, "'data' pointer is 0 (NULL) but the array has 12 elements"),
+    (dict(data=(2**64 - 8, False)), ValueError, "outside the address space"),
+    (dict(strides=(6,)), ValueError, "'strides'[0] is 6 bytes, not a multiple of the itemsize 4"),
+    (dict(strides=(4, 4)), ValueError, "'strides' has 2 entries but 'shape' has 1"),
+    (dict(strides=4), TypeError, "'strides' must be a tuple of ints, not int"),
+    (dict(strides=(4.0,)), TypeError, "'strides'[0] must be an int, not float"),
+    (dict(strides=(2**62,)), ValueError, "outside the address space"),
+    (dict(strides=(-(2**62),)), ValueError, "outside the address space"),
+    (dict(mask=np.ones(12, bool)), BufferError, "'mask' is set"),
+    (dict(mask=None), None, None),
+    (dict(stream=0), ValueError, "'stream' 0 is not a valid stream"),
+    (dict(stream="s"), TypeError, "'stream' must be None or an int, not str"),
+]
+
+
+@pytest.mark.parametrize("changes,error,message", CASES, ids=[repr(c[0])[:60] for c in CASES])
+def test_cai_dict_errors(device_host, changes, error, message):
+    iface = cai(**changes)
+    if error is None:
+        assert cai2dlpack(iface, owner=HOST) is not None
+        return
+    with pytest.raises(error) as info:
+        cai2dlpack(iface, owner=HOST)
+    assert message in str(info.value)
+    if "'" in message.split(" ")[0] or message.startswith("lacks"):
+        assert "__cuda_array_interface__" in str(info.value)
+
+
+def test_subclasses_of_dict_tuple_int_are_accepted(device_host):
+    class Dict(dict):
+        pass
+
+    class Tuple(tuple):
+        pass
+
+    class Int(int):
+        pass
+
+    iface = Dict(cai(shape=Tuple((Int(3), Int(4))), data=(Int(POINTER), False), version=Int(3)))
+    assert cai2dlpack(iface, owner=HOST) is not None
+
+
+def test_not_a_dict():
+    class Bad:
+        __cuda_array_interface__ = [("shape", (1,))]
+
+    with pytest.raises(TypeError, match="__cuda_array_interface__ must be a dict, not list"):
+        cai2dlpack(Bad())
+
+
+def test_property_that_raises_propagates():
+    class Broken:
+        @property
+        def __cuda_array_interface__(self):
+            raise RuntimeError("device lost")
+
+    with pytest.raises(RuntimeError, match="device lost"):
+        cai2dlpack(Broken())
+    with pytest.raises(RuntimeError, match="device lost"):
+        DLPackShim(Broken()).__dlpack__()
+
+
+def test_object_without_any_interface():
+    with pytest.raises(TypeError, match="object of type int has neither __cuda_array_interface__ nor __array_interface__"):
+        cai2dlpack(5)
+    with pytest.raises(TypeError, match="neither"):
+        DLPackShim(object()).__dlpack_device__()
+
+
+def test_dict_needs_owner_and_objects_refuse_one(device_host):
+    with pytest.raises(TypeError, match="needs owner="):
+        cai2dlpack(cai())
+    with pytest.raises(TypeError, match="owner= is only for a CAI dict"):
+        cai2dlpack(HOST, owner=HOST)
+    with pytest.raises(TypeError, match="not a bare interface dict"):
+        DLPackShim(cai())
+
+
+def test_array_interface_errors():
+    with pytest.raises(TypeError, match=r"__cuda_array_interface__ 'data' must be a \(pointer, read_only\) tuple, not NoneType"):
+        cai2dlpack(cai(data=None), owner=HOST)  # a dict is a CAI dict: 'data' must be a tuple
+
+    class NonContiguous:
+        def __init__(self):
+            self.__array_interface__ = {"shape": (2,), "typestr": "<f8", "data": memoryview(np.zeros(4))[::2],
+                                        "version": 3}
+
+    with pytest.raises(ValueError, match="not contiguous"):
+        cai2dlpack(NonContiguous())
+
+    class BadOffset:
+        def __init__(self):
+            self.__array_interface__ = {"shape": (2,), "typestr": "|u1", "data": b"abcd", "offset": -1,
+                                        "version": 3}
+
+    with pytest.raises(ValueError, match="'offset' is -1"):
+        cai2dlpack(BadOffset())
+
+
+def test_array_interface_with_data_none_uses_the_objects_buffer():
+    class Buffered(bytearray):
+        @property
+        def __array_interface__(self):
+            return {"shape": (len(self),), "typestr": "|u1", "data": None, "version": 3}
+
+    b = Buffered(b"\x01\x02\x03")
+    y = np.from_dlpack(DLPackShim(b))
+    assert y.tolist() == [1, 2, 3]
+    y[0] = 9
+    assert b[0] == 9
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(copy=True), BufferError, "copy=True"),
+    (dict(copy="yes"), TypeError, "copy must be None or a bool"),
+    (dict(dl_device=(2, 0)), BufferError, "dl_device (2, 0) differs from the data's device (1, 0)"),
+    (dict(dl_device="cpu"), TypeError, "dl_device must be None or a (device_type, device_id) tuple"),
+    (dict(max_version=1), TypeError, "max_version must be None or a (major, minor) tuple"),
+    (dict(max_version=(1,)), TypeError, "max_version"),
+    (dict(colour=1), TypeError, "unexpected keyword argument 'colour'"),
+])
+def test_dlpack_argument_errors(kwargs, error, message):
+    shim = DLPackShim(np.arange(3))
+    with pytest.raises(error) as info:
+        shim.__dlpack__(**kwargs)
+    assert message in str(info.value)
+    view = dlpack2cai(np.arange(3))
+    with pytest.raises(error):
+        view.__dlpack__(**kwargs)
+
+
+def test_dlpack_accepts_matching_device_and_copy_false():
+    shim = DLPackShim(np.arange(3))
+    assert shim.__dlpack__(dl_device=(1, 0), copy=False, max_version=(1, 0)) is not None
+    with pytest.raises(TypeError, match="positional"):
+        shim.__dlpack__(None)
+
+
+def test_positional_and_keyword_errors_of_functions():
+    with pytest.raises(TypeError, match="takes 1 positional argument but 0 were given"):
+        cai2dlpack()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'streams'"):
+        dlpack2cai(np.arange(2), streams=1)
+    with pytest.raises(TypeError, match="cannot create"):
+        DLPackView()
+
+
+# ---- DLPack -> CAI refusals -------------------------------------------------------------------------
+
+def test_not_a_dlpack_source():
+    with pytest.raises(TypeError, match="expected a DLPack capsule or an object with __dlpack__, not int"):
+        dlpack2cai(3)
+
+
+def test_foreign_capsule():
+    import ctypes
+
+    ctypes.pythonapi.PyCapsule_New.restype = ctypes.py_object
+    ctypes.pythonapi.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    other = ctypes.pythonapi.PyCapsule_New(8, b"something_else", None)
+    with pytest.raises(TypeError, match="named something_else is not a DLPack tensor"):
+        dlpack2cai(other)
+
+
+def test_used_capsule_is_refused():
+    capsule = cai2dlpack(np.arange(3))
+    dlpack2cai(capsule)
+    with pytest.raises(BufferError, match="already consumed"):
+        dlpack2cai(capsule)
+
+
+def test_dlpack_that_returns_no_capsule():
+    class Liar:
+        def __dlpack__(self, stream=None, max_version=None):
+            return 42
+
+    with pytest.raises(TypeError, match="returned int, not a PyCapsule"):
+        dlpack2cai(Liar())
+
+
+def test_old_producer_is_retried_without_max_version():
+    calls = []
+
+    class Old:
+        def __dlpack__(self, stream=None):
+            calls.append(stream)
+            return cai2dlpack(np.arange(4))
+
+    view = dlpack2cai(Old())
+    assert calls == [None] and view.shape == (4,)
+
+
+BAD_TENSORS = [
+    (dict(dtype=(kDLFloat, 32, 4)), "code=2, bits=32, lanes=4"),
+    (dict(dtype=(kDLBfloat, 16, 1)), "code=4, bits=16, lanes=1"),
+    (dict(dtype=(kDLOpaqueHandle, 64, 1)), "code=3, bits=64, lanes=1"),
+    (dict(dtype=(kDLFloat, 8, 1)), "code=2, bits=8, lanes=1"),
+    (dict(device=(kDLROCM, 0)), "device type 10"),
+    (dict(shape=(2, -3)), "shape[1] is -3"),
+    (dict(shape=(2,), ndim=-1), "ndim -1"),
+    (dict(shape=(1,), ndim=65), "ndim 65"),
+    (dict(shape=(2,), null_shape=True), "no shape"),
+    (dict(version=(2, 0)), "version 2.0"),
+    (dict(shape=(2,), strides=(2**62,), dtype=(kDLFloat, 64, 1)), "overflows in bytes"),
+]
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+@pytest.mark.parametrize("fields,message", BAD_TENSORS, ids=[m for _, m in BAD_TENSORS])
+def test_bad_dlpack_tensors_are_refused_and_deleted_once(fields, message, versioned):
+    if "version" in fields and not versioned:
+        pytest.skip("a legacy capsule has no version field")
+    made = MadeTensor(data=HOST.__array_interface__["data"][0], versioned=versioned, **fields)
+    with pytest.raises(BufferError) as info:
+        dlpack2cai(made.capsule)
+    assert message in str(info.value)
+    assert made.deleted == 1
+    with pytest.raises(BufferError, match="already consumed"):
+        dlpack2cai(made.capsule)
+    assert made.deleted == 1
+
+
+def test_made_tensor_with_byte_offset_and_null_strides():
+    base = np.arange(10, dtype=np.int16)
+    made = MadeTensor(data=base.__array_interface__["data"][0], dtype=(0, 16, 1), shape=(2, 3), byte_offset=4,
+                      versioned=False)
+    view = dlpack2cai(made.capsule)
+    iface = view.__array_interface__
+    assert iface["strides"] is None
+    assert iface["data"] == (base.__array_interface__["data"][0] + 4, False)
+    assert np.asarray(view).tolist() == [[2, 3, 4], [5, 6, 7]]
+    del view, iface
+    assert made.deleted == 1
+
+
+def test_made_tensor_read_only_and_newer_minor():
+    base = np.arange(4, dtype=np.float32)
+    made = MadeTensor(data=base.__array_interface__["data"][0], shape=(4,), flags=1, version=(1, 99))
+    view = dlpack2cai(made.capsule)
+    assert view.read_only and view.__array_interface__["data"][1] is True
+    a = np.asarray(view)
+    assert not a.flags.writeable
+    with pytest.raises(BufferError, match="read-only"):
+        view.__dlpack__()  # legacy capsules cannot carry read-only
+
+
+def test_cuda_made_tensor_exposes_cai_only():
+    made = MadeTensor(data=0x7000_0000, device=(kDLCUDA, 5), shape=(3,), versioned=True)
+    view = dlpack2cai(made.capsule, stream=-1)
+    assert view.__cuda_array_interface__ == {"shape": (3,), "typestr": "<f4", "data": (0x7000_0000, False),
+                                             "strides": None, "version": 3, "stream": None}
+    with pytest.raises(AttributeError, match="device memory"):
+        view.__array_interface__
+    assert view.__dlpack_device__() == (kDLCUDA, 5)
+    assert repr(view) == "<cai_dlpack.DLPackView shape=(3,) typestr='<f4' device=(2, 5)>"
+
+
+def test_zero_size_made_tensor_exports_null_pointer():
+    made = MadeTensor(data=0x1234, device=(kDLCPU, 0), shape=(0, 4))
+    assert dlpack2cai(made.capsule).__array_interface__["data"] == (0, False)
