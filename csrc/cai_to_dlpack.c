@@ -337,29 +337,23 @@ static void cdl_delete_legacy(DLManagedTensor *self) { cdl_release_block(self->m
 
 static void cdl_delete_versioned(DLManagedTensorVersioned *self) { cdl_release_block(self->manager_ctx); }
 
-/* Frees the tensor of a capsule nobody consumed; a consumer renames the capsule 'used_*'. */
+/* Frees the tensor of a capsule nobody consumed; a consumer renames the capsule 'used_*'. Capsules
+ * die while exceptions are in flight (a consumer that refused the tensor, say): the pending
+ * exception must come through untouched. */
 static void cdl_capsule_destructor(PyObject *capsule)
 {
-    const char *name = PyCapsule_GetName(capsule);
-    if (name == NULL || strncmp(name, "used_", 5) == 0) {
-        PyErr_Clear();
+    if (PyCapsule_IsValid(capsule, "used_dltensor") || PyCapsule_IsValid(capsule, "used_dltensor_versioned"))
         return;
-    }
-    void *managed = PyCapsule_GetPointer(capsule, name);
+    int versioned = PyCapsule_IsValid(capsule, "dltensor_versioned");
+    void *managed = PyCapsule_GetPointer(capsule, versioned ? "dltensor_versioned" : "dltensor");
     if (managed == NULL) {
         PyErr_WriteUnraisable(capsule);
         return;
     }
-    if (strcmp(name, "dltensor_versioned") == 0) {
-        DLManagedTensorVersioned *tensor = managed;
-        if (tensor->deleter)
-            tensor->deleter(tensor);
-    }
-    else {
-        DLManagedTensor *tensor = managed;
-        if (tensor->deleter)
-            tensor->deleter(tensor);
-    }
+    if (versioned)
+        ((DLManagedTensorVersioned *)managed)->deleter((DLManagedTensorVersioned *)managed);
+    else
+        ((DLManagedTensor *)managed)->deleter((DLManagedTensor *)managed);
 }
 
 PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned)

@@ -288,12 +288,16 @@ API int double_add_region(uintptr_t start, size_t size, int type, int device)
 API int double_fail(const char *name, int code, int count)
 {
     pthread_mutex_lock(&lock);
-    int ok = failure_count < MAX_FAILURES;
+    int slot = 0;
+    while (slot < failure_count && failures[slot].remaining != 0)
+        slot++; /* reuse a spent entry */
+    int ok = slot < MAX_FAILURES;
     if (ok) {
-        snprintf(failures[failure_count].name, sizeof(failures[0].name), "%s", name);
-        failures[failure_count].code = code;
-        failures[failure_count].remaining = count;
-        failure_count++;
+        snprintf(failures[slot].name, sizeof(failures[0].name), "%s", name);
+        failures[slot].code = code;
+        failures[slot].remaining = count;
+        if (slot == failure_count)
+            failure_count++;
     }
     pthread_mutex_unlock(&lock);
     return ok ? 0 : -1;

@@ -1,0 +1,208 @@
+"""Lifetime and leaks: owners live exactly as long as a capsule, view or tensor uses them; nothing grows."""
+import ctypes
+import gc
+import sys
+import tracemalloc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai
+from support.cai_objects import CaiArray, register
+from support.cuda_double import DEVICE
+from support.dlpack_ctypes import DLManagedTensorVersioned, MadeTensor, _api
+
+
+class HostOwner:
+    """Host memory whose owner can be watched with a weakref."""
+
+    def __init__(self, n=16, dtype=np.float32):
+        self.array = np.arange(n, dtype=dtype)
+        self.__array_interface__ = self.array.__array_interface__
+
+
+class DeviceOwner(CaiArray):
+    pass
+
+
+def test_unconsumed_capsule_keeps_then_frees_owner():
+    owner = HostOwner()
+    ref = weakref.ref(owner)
+    capsule = cai2dlpack(owner, max_version=(1, 0))
+    del owner
+    assert ref() is not None
+    del capsule
+    assert ref() is None
+
+
+def test_view_keeps_owner_until_released():
+    owner = HostOwner()
+    ref = weakref.ref(owner)
+    view = dlpack2cai(cai2dlpack(owner))
+    del owner
+    gc.collect()
+    assert ref() is not None
+    array = np.asarray(view)  # NumPy keeps the view alive in turn
+    del view
+    assert ref() is not None
+    assert array.sum() == sum(range(16))
+    del array
+    assert ref() is None
+
+
+def test_torch_tensor_keeps_owner():
+    owner = HostOwner()
+    ref = weakref.ref(owner)
+    tensor = torch.from_dlpack(DLPackShim(owner))
+    del owner
+    gc.collect()
+    assert ref() is not None and tensor.sum().item() == sum(range(16))
+    del tensor
+    gc.collect()
+    assert ref() is None
+
+
+def test_torch_tensor_through_view_is_deleted_once():
+    tensor = torch.arange(10.0)
+    base_refs = sys.getrefcount(tensor)
+    view = dlpack2cai(tensor)
+    array = np.asarray(view)
+    del view
+    assert array[3] == 3.0
+    del array
+    gc.collect()
+    assert sys.getrefcount(tensor) == base_refs
+
+
+def test_shim_keeps_its_object_and_breaks_cycles():
+    owner = HostOwner()
+    ref = weakref.ref(owner)
+    owner.shim = DLPackShim(owner)  # a cycle through the shim
+    del owner
+    gc.collect()
+    assert ref() is None
+
+
+def test_made_tensor_deleted_exactly_once_by_view():
+    made = MadeTensor(data=np.zeros(4).__array_interface__["data"][0], shape=(4,), dtype=(2, 64, 1))
+    view = dlpack2cai(made.capsule)
+    assert made.deleted == 0
+    del view
+    assert made.deleted == 1
+    gc.collect()
+    assert made.deleted == 1
+
+
+def test_deleter_runs_on_a_thread_without_the_gil(cudart):
+    """A framework may free the tensor from a thread of its own that never held the GIL."""
+    owner = HostOwner()
+    ref = weakref.ref(owner)
+    capsule = cai2dlpack(owner, max_version=(1, 0))
+    address = _api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+    _api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    assert _api.PyCapsule_SetName(capsule, b"used_dltensor_versioned") == 0  # consumed by "the framework"
+    managed = DLManagedTensorVersioned.from_address(address)
+    deleter = ctypes.cast(managed.deleter, ctypes.c_void_p).value
+    del owner, capsule
+    assert ref() is not None
+    cudart.lib.double_call_in_thread.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    # ctypes releases the GIL around the call: the helper thread must take it itself.
+    assert cudart.lib.double_call_in_thread(deleter, address) == 0
+    assert ref() is None
+
+
+# ---- leaks ------------------------------------------------------------------------------------------
+
+def resident_bytes():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def paths(cudart):
+    host = np.arange(64, dtype=np.float32).reshape(8, 8)
+    register(cudart, host, DEVICE, device=1)
+    device = CaiArray(host[::2], stream=0x5000)
+    host_owner = HostOwner()
+    tensor = torch.arange(16.0)
+
+    def expect(error, call, *args, **kwargs):
+        def run():
+            try:
+                call(*args, **kwargs)
+            except error:
+                return
+            raise AssertionError("no error")
+        return run
+
+    bad_typestr = CaiArray(host, typestr="<f16")
+    missing = {"shape": (2,), "version": 3, "typestr": "<f4"}
+    unregistered = CaiArray(np.zeros(3))
+
+    def cuda_failure():
+        cudart.fail("cudaEventRecord", 400)
+        expect(CudaError, cai2dlpack, device, stream=0x6000)()
+
+    def bad_tensor():
+        made = MadeTensor(shape=(2,), dtype=(2, 32, 4))
+        expect(BufferError, dlpack2cai, made.capsule)()
+
+    return {
+        "host legacy": lambda: cai2dlpack(host_owner),
+        "host versioned": lambda: cai2dlpack(host_owner, max_version=(1, 0)),
+        "device with streams": lambda: cai2dlpack(device, stream=0x6000, max_version=(1, 0)),
+        "dict with owner": lambda: cai2dlpack(device.__cuda_array_interface__, owner=host),
+        "shim into numpy": lambda: np.from_dlpack(DLPackShim(host_owner)),
+        "shim into torch": lambda: torch.from_dlpack(DLPackShim(host_owner)),
+        "torch into view into numpy": lambda: np.asarray(dlpack2cai(tensor)),
+        "view handed on": lambda: dlpack2cai(dlpack2cai(cai2dlpack(device), stream=2).__dlpack__(stream=0x6000)),
+        "numpy refuses a device tensor": expect(RuntimeError, np.from_dlpack, DLPackShim(device)),
+        "device view interface": lambda: dlpack2cai(cai2dlpack(device)).__cuda_array_interface__,
+        "error: typestr": expect(ValueError, cai2dlpack, bad_typestr),
+        "error: missing key": expect(ValueError, cai2dlpack, missing, owner=host),
+        "error: stream": expect(ValueError, cai2dlpack, device, stream=0),
+        "error: unregistered": expect(BufferError, cai2dlpack, unregistered),
+        "error: read-only legacy": expect(BufferError, cai2dlpack, CaiArray(host, read_only=True)),
+        "error: cuda": cuda_failure,
+        "error: used capsule": expect(BufferError, dlpack2cai, _used_capsule()),
+        "error: bad tensor": bad_tensor,
+    }
+
+
+def _used_capsule():
+    capsule = cai2dlpack(np.arange(2))
+    dlpack2cai(capsule)
+    return capsule
+
+
+PATH_NAMES = [
+    "host legacy", "host versioned", "device with streams", "dict with owner", "shim into numpy", "shim into torch",
+    "torch into view into numpy", "view handed on", "device view interface", "error: typestr", "error: missing key",
+    "numpy refuses a device tensor", "error: stream", "error: unregistered", "error: read-only legacy", "error: cuda", "error: used capsule",
+    "error: bad tensor",
+]
+
+
+@pytest.mark.parametrize("label", PATH_NAMES)
+def test_no_growth_over_many_conversions(cudart, label):
+    """Reference counts, traced memory and resident size stay flat over many conversions of every path."""
+    run = paths(cudart)[label]
+    if True:
+        for _ in range(200):  # warm caches, pools and allocators
+            run()
+        gc.collect()
+        tracemalloc.start()
+        rss_before = resident_bytes()
+        traced_before = tracemalloc.get_traced_memory()[0]
+        refs_before = sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
+        for _ in range(5000):
+            run()
+        gc.collect()
+        traced_growth = tracemalloc.get_traced_memory()[0] - traced_before
+        tracemalloc.stop()
+        rss_growth = resident_bytes() - rss_before
+        refs_after = sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
+        assert traced_growth < 4096, (label, traced_growth)
+        assert rss_growth < 1 << 20, (label, rss_growth)
+        assert all(abs(a - b) < 50 for a, b in zip(refs_before, refs_after)), (label, refs_before, refs_after)
