@@ -42,7 +42,10 @@ static int cdl_try_open(const char *path, char *tried, size_t tried_size)
     size_t used = strlen(tried);
     void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (handle == NULL) {
-        snprintf(tried + used, tried_size - used, "%s%s", used ? ", " : "", path);
+        /* Only a path (not a bare soname) that exists says more than "not found". */
+        const char *why = strchr(path, '/') ? dlerror() : NULL;
+        snprintf(tried + used, tried_size - used, "%s%s%s%s%s", used ? ", " : "", path, why ? " (" : "",
+                 why ? why : "", why ? ")" : "");
         return 0;
     }
     cdl_cudart table;
@@ -102,8 +105,8 @@ const cdl_cudart *cdl_cudart_get(void)
         /* A runtime the user names is the only one tried: a silent fallback would hide the mistake. */
         if (cdl_try_open(named, tried, sizeof(tried)))
             return &cdl_runtime;
-        PyErr_Format(PyExc_RuntimeError,
-                     "CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded: %s (%s)", tried, dlerror());
+        PyErr_Format(PyExc_RuntimeError, "CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded: %s",
+                     tried);
         return NULL;
     }
     static const int majors[] = {CDL_CUDART_HEADER_MAJOR, 13, 12};
