@@ -1,0 +1,183 @@
+"""On a real GPU: PyTorch, CuPy and numba-cuda as producers and consumers, memory kinds, and stream
+ordering that keeps the host free. Skipped (with the reason) where there is no GPU."""
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+
+import cai_dlpack  # noqa: E402
+from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai  # noqa: E402
+
+DTYPES = ["?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"]
+TORCH_DTYPES = [d for d in DTYPES if d not in ("u2", "u4", "u8")]
+kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 2, 3, 13
+
+
+def cupy_sample(dtype, shape=(6, 8)):
+    values = cupy.arange(int(np.prod(shape))).reshape(shape)
+    if dtype == "?":
+        return values % 2 == 1
+    return values.astype(dtype)
+
+
+def layouts(dtype):
+    base = cupy_sample(dtype)
+    return {"contiguous": base, "strided": base[1:5:2, ::3], "transposed": base.T, "zero_size": base[:0],
+            "zero_d": base[2, 3]}
+
+
+class Wrapped:
+    """A CAI producer with a chosen stream, over any CuPy array."""
+
+    def __init__(self, array, stream):
+        self.array = array
+        iface = dict(array.__cuda_array_interface__)
+        iface["stream"] = stream
+        self.__cuda_array_interface__ = iface
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "transposed", "zero_size", "zero_d"])
+def test_cupy_to_torch_and_back(dtype, layout):
+    x = layouts(dtype)[layout]
+    t = torch.from_dlpack(DLPackShim(x))
+    assert tuple(t.shape) == x.shape
+    if x.size:
+        assert t.data_ptr() == x.data.ptr
+    np.testing.assert_array_equal(t.cpu().numpy(), cupy.asnumpy(x))
+    back = cupy.asarray(dlpack2cai(t))
+    if x.size:
+        assert back.data.ptr == x.data.ptr
+    np.testing.assert_array_equal(cupy.asnumpy(back), cupy.asnumpy(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cupy_through_capsule_into_cupy(dtype):
+    x = cupy_sample(dtype)[::2]
+    y = cupy.from_dlpack(DLPackShim(x))
+    assert y.data.ptr == x.data.ptr
+    assert bool((y == x).all())
+
+
+def test_numba_producer_and_consumer():
+    numba_cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
+    d = numba_cuda.to_device(np.arange(24, dtype=np.float32).reshape(4, 6))
+    t = torch.from_dlpack(DLPackShim(d))
+    assert t.data_ptr() == d.__cuda_array_interface__["data"][0]
+    assert t.sum().item() == sum(range(24))
+    tensor = torch.arange(10, device="cuda", dtype=torch.int32)[::2]
+    view = dlpack2cai(tensor)
+    n = numba_cuda.as_cuda_array(view)
+    assert n.__cuda_array_interface__["data"][0] == tensor.data_ptr()
+    assert n.copy_to_host().tolist() == tensor.tolist()
+
+
+def test_writes_visible_both_ways():
+    x = cupy.zeros((4, 4), dtype=cupy.float32)
+    t = torch.from_dlpack(DLPackShim(x))
+    t[1, 2] = 5
+    torch.cuda.synchronize()
+    assert float(x[1, 2]) == 5.0
+
+
+def test_device_types_of_memory_kinds():
+    device = cupy.zeros(16, dtype=cupy.float32)
+    assert DLPackShim(device).__dlpack_device__() == (kDLCUDA, device.device.id)
+    managed_memory = cupy.cuda.malloc_managed(64)
+    managed = cupy.ndarray((16,), dtype=cupy.float32, memptr=managed_memory)
+    assert DLPackShim(managed).__dlpack_device__()[0] == kDLCUDAManaged
+    pinned_memory = cupy.cuda.alloc_pinned_memory(64)
+    host = np.frombuffer(pinned_memory, dtype=np.float32, count=16)
+    host[:] = np.arange(16)
+
+    class Pinned:
+        __cuda_array_interface__ = {"shape": (16,), "typestr": "<f4", "data": (host.ctypes.data, False),
+                                    "version": 3, "stream": None}
+
+    assert DLPackShim(Pinned()).__dlpack_device__()[0] == kDLCUDAHost
+    np.testing.assert_array_equal(np.from_dlpack(DLPackShim(Pinned())), np.arange(16))
+
+
+SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+
+
+def busy_producer(milliseconds):
+    """A stream kept busy for about the given time, then writing ones into x: the data is ready only then."""
+    spin = cupy.RawKernel(SPIN, "spin")
+    rate = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)  # kHz
+    producer = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.zeros(1 << 20, dtype=cupy.float32)
+    cupy.cuda.Device().synchronize()
+    with producer:
+        spin((1,), (1,), (np.int64(rate * milliseconds),))
+        x.fill(1)
+    return x, producer
+
+
+def read_on(consumer, capsule_source):
+    with torch.cuda.stream(torch.cuda.ExternalStream(consumer.ptr)):
+        t = torch.from_dlpack(capsule_source)
+        return t.sum()
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_race_is_prevented_only_by_ordering(sync):
+    consumer = cupy.cuda.Stream(non_blocking=True)
+    x, producer = busy_producer(200)
+    try:
+        cai_dlpack.options(sync=sync)
+        total = read_on(consumer, DLPackShim(Wrapped(x, producer.ptr)))
+        torch.cuda.synchronize()
+    finally:
+        cai_dlpack.options(sync=True)
+    if sync:
+        assert total.item() == x.size
+    else:
+        assert total.item() < x.size  # the consumer read before the producer wrote: the race is real
+
+
+def test_host_is_not_blocked_while_producer_is_busy():
+    consumer = cupy.cuda.Stream(non_blocking=True)
+    wrapped_stream_free = Wrapped(cupy.zeros(4), None)
+    DLPackShim(wrapped_stream_free).__dlpack__(stream=consumer.ptr)  # warm the runtime
+    x, producer = busy_producer(100)
+    shim = DLPackShim(Wrapped(x, producer.ptr))
+    start = time.perf_counter()
+    capsule = shim.__dlpack__(stream=consumer.ptr, max_version=(1, 0))
+    host_seconds = time.perf_counter() - start
+    busy = producer.done is False if hasattr(producer, "done") else True
+    consumer.synchronize()
+    print(f"host time of a conversion while the producer stream is busy: {host_seconds * 1e6:.1f} us")
+    assert busy
+    assert host_seconds < 0.005
+    view = dlpack2cai(capsule, stream=consumer.ptr)
+    assert float(cupy.asarray(view).sum()) == x.size
+
+
+def test_dlpack2cai_exports_the_consumer_stream():
+    consumer = cupy.cuda.Stream(non_blocking=True)
+    t = torch.ones(1 << 16, device="cuda")
+    view = dlpack2cai(t, stream=consumer.ptr)
+    assert view.__cuda_array_interface__["stream"] == consumer.ptr
+    assert dlpack2cai(t).__cuda_array_interface__["stream"] == 1
+    assert dlpack2cai(t, stream=-1).__cuda_array_interface__["stream"] is None
+
+
+@pytest.mark.skipif("torch.cuda.device_count() < 2", reason="needs two GPUs")
+def test_second_device():
+    with cupy.cuda.Device(1):
+        x = cupy.arange(8, dtype=cupy.float32)
+    capsule = cai2dlpack(Wrapped(x, 1), stream=2)
+    view = dlpack2cai(capsule)
+    assert view.device == (kDLCUDA, 1)
+    assert torch.cuda.current_device() == 0
+    t = torch.from_dlpack(DLPackShim(x))
+    assert t.device.index == 1
