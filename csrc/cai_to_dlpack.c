@@ -9,17 +9,23 @@ static const char *cdl_source_name(cdl_source source)
     return source == CDL_SOURCE_CAI ? "__cuda_array_interface__" : "__array_interface__";
 }
 
-/* Reads a non-bool int in [low, high]; messages name the interface, key and index (index < 0:
- * none). Returns 0 or -1. */
+/* Names the entry for a message: "__cuda_array_interface__ 'shape'[1]" (index < 0: no index). Only
+ * ever built on the error path. */
+static void cdl_entry_label(char *label, size_t size, cdl_source source, const char *key, Py_ssize_t index)
+{
+    if (index >= 0)
+        PyOS_snprintf(label, size, "%s '%s'[%zd]", cdl_source_name(source), key, index);
+    else
+        PyOS_snprintf(label, size, "%s '%s'", cdl_source_name(source), key);
+}
+
+/* Reads a non-bool int in [low, high]; messages name the interface, key and index. Returns 0 or -1. */
 static int cdl_read_int(PyObject *value, cdl_source source, const char *key, Py_ssize_t index, int64_t low,
                         int64_t high, int64_t *out)
 {
     char label[96];
-    if (index >= 0)
-        PyOS_snprintf(label, sizeof(label), "%s '%s'[%zd]", cdl_source_name(source), key, index);
-    else
-        PyOS_snprintf(label, sizeof(label), "%s '%s'", cdl_source_name(source), key);
     if (!PyLong_Check(value) || PyBool_Check(value)) {
+        cdl_entry_label(label, sizeof(label), source, key, index);
         PyErr_Format(PyExc_TypeError, "%s must be an int, not %.200s", label, Py_TYPE(value)->tp_name);
         return -1;
     }
@@ -28,6 +34,7 @@ static int cdl_read_int(PyObject *value, cdl_source source, const char *key, Py_
     if (number == -1 && !overflow && PyErr_Occurred())
         return -1;
     if (overflow || number < low || number > high) {
+        cdl_entry_label(label, sizeof(label), source, key, index);
         PyErr_Format(PyExc_ValueError, "%s is %R; it must lie in [%lld, %lld]", label, value, (long long)low,
                      (long long)high);
         return -1;
@@ -42,6 +49,18 @@ static PyObject *cdl_required(PyObject *iface, PyObject *key, cdl_source source)
     PyObject *value = PyDict_GetItemWithError(iface, key);
     if (value == NULL && !PyErr_Occurred())
         PyErr_Format(PyExc_ValueError, "%s lacks the required key %R", cdl_source_name(source), key);
+    return value;
+}
+
+/* An optional entry, borrowed; NULL when absent (check PyErr_Occurred). unread counts the dict's
+ * keys not yet found: once it is 0 every other key is known to be absent, and is not looked up. */
+static PyObject *cdl_optional(PyObject *iface, PyObject *key, Py_ssize_t *unread)
+{
+    if (*unread <= 0)
+        return NULL;
+    PyObject *value = PyDict_GetItemWithError(iface, key);
+    if (value != NULL)
+        (*unread)--;
     return value;
 }
 
@@ -181,6 +200,8 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
                      Py_TYPE(iface)->tp_name);
         return -1;
     }
+    /* The four required keys are found or the call fails: the rest of the dict is what remains. */
+    Py_ssize_t unread = PyDict_GET_SIZE(iface) - 4;
     PyObject *value = cdl_required(iface, cdl_name.version, source);
     int64_t version;
     if (value == NULL || cdl_read_int(value, source, "version", -1, 0, 3, &version) < 0)
@@ -197,25 +218,21 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
         return -1;
     int64_t itemsize = cdl_itemsize(out->dtype);
 
-    value = PyDict_GetItemWithError(iface, cdl_name.mask);
-    if (value != NULL && value != Py_None) {
-        PyErr_Format(PyExc_BufferError, "%s 'mask' is set (%.200s); DLPack has no masked arrays",
-                     cdl_source_name(source), Py_TYPE(value)->tp_name);
-        return -1;
-    }
-    if (value == NULL && PyErr_Occurred())
+    /* A strong reference: reading a buffer object may run Python code that changes the dict. */
+    PyObject *data = Py_XNewRef(cdl_required(iface, cdl_name.data, source));
+    if (data == NULL)
         return -1;
 
-    value = PyDict_GetItemWithError(iface, cdl_name.strides);
+    value = cdl_optional(iface, cdl_name.strides, &unread);
     if (value != NULL && value != Py_None) {
         int64_t byte_strides[CDL_MAX_NDIM];
         Py_ssize_t count = cdl_read_int_sequence(value, source, "strides", INT64_MIN, byte_strides);
         if (count < 0)
-            return -1;
+            goto fail;
         if (count != ndim) {
             PyErr_Format(PyExc_ValueError, "%s 'strides' has %zd entries but 'shape' has %zd",
                          cdl_source_name(source), count, ndim);
-            return -1;
+            goto fail;
         }
         for (Py_ssize_t i = 0; i < ndim; i++) {
             if (byte_strides[i] % itemsize != 0) {
@@ -223,13 +240,13 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
                              "%s 'strides'[%zd] is %lld bytes, not a multiple of the itemsize %lld; DLPack "
                              "strides count elements",
                              cdl_source_name(source), i, (long long)byte_strides[i], (long long)itemsize);
-                return -1;
+                goto fail;
             }
             out->strides[i] = byte_strides[i] / itemsize;
         }
     }
     else if (value == NULL && PyErr_Occurred()) {
-        return -1;
+        goto fail;
     }
     else {
         int64_t stride = 1;
@@ -238,27 +255,35 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
             if (__builtin_mul_overflow(stride, out->shape[i] > 1 ? out->shape[i] : 1, &stride)) {
                 PyErr_Format(PyExc_ValueError, "%s 'shape' %R has more elements than fit in 64 bits",
                              cdl_source_name(source), shape);
-                return -1;
+                goto fail;
             }
         }
     }
 
     out->stream = 0;
     if (source == CDL_SOURCE_CAI) {
-        value = PyDict_GetItemWithError(iface, cdl_name.stream);
+        value = cdl_optional(iface, cdl_name.stream, &unread);
         if (value == NULL && PyErr_Occurred())
-            return -1;
+            goto fail;
         if (cdl_parse_stream(value, "__cuda_array_interface__ 'stream'", 0, &out->stream) < 0)
-            return -1;
+            goto fail;
     }
 
-    value = cdl_required(iface, cdl_name.data, source);
+    value = cdl_optional(iface, cdl_name.mask, &unread);
+    if (value != NULL && value != Py_None) {
+        PyErr_Format(PyExc_BufferError, "%s 'mask' is set (%.200s); DLPack has no masked arrays",
+                     cdl_source_name(source), Py_TYPE(value)->tp_name);
+        goto fail;
+    }
+    if (value == NULL && PyErr_Occurred())
+        goto fail;
+
     Py_ssize_t buffer_length = -1;
-    if (value == NULL || cdl_read_data(value, source, obj, out, keepalive, &buffer_length) < 0)
-        return -1;
+    if (cdl_read_data(data, source, obj, out, keepalive, &buffer_length) < 0)
+        goto fail;
     int64_t offset = 0;
     if (buffer_length >= 0) {
-        value = PyDict_GetItemWithError(iface, cdl_name.offset);
+        value = cdl_optional(iface, cdl_name.offset, &unread);
         if ((value == NULL && PyErr_Occurred()) ||
             (value != NULL && value != Py_None &&
              cdl_read_int(value, source, "offset", -1, 0, buffer_length, &offset) < 0))
@@ -340,12 +365,17 @@ static void cdl_delete_versioned(DLManagedTensorVersioned *self) { cdl_release_b
 /* Frees the tensor of a capsule nobody consumed; a consumer renames the capsule 'used_*'. Capsules
  * die while exceptions are in flight (a consumer that refused the tensor, say): the pending
  * exception must come through untouched. */
+static const char cdl_legacy_name[] = "dltensor";
+static const char cdl_versioned_name[] = "dltensor_versioned";
+
 static void cdl_capsule_destructor(PyObject *capsule)
 {
-    if (PyCapsule_IsValid(capsule, "used_dltensor") || PyCapsule_IsValid(capsule, "used_dltensor_versioned"))
+    /* A consumer renames the capsule with a string of its own, so our own pointers mean "unconsumed". */
+    const char *name = PyCapsule_GetName(capsule);
+    if (name != cdl_legacy_name && name != cdl_versioned_name)
         return;
-    int versioned = PyCapsule_IsValid(capsule, "dltensor_versioned");
-    void *managed = PyCapsule_GetPointer(capsule, versioned ? "dltensor_versioned" : "dltensor");
+    int versioned = name == cdl_versioned_name;
+    void *managed = PyCapsule_GetPointer(capsule, name);
     if (managed == NULL) {
         PyErr_WriteUnraisable(capsule);
         return;
@@ -394,7 +424,7 @@ PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject
     }
     block->owner = Py_XNewRef(owner);
     block->keepalive = Py_XNewRef(keepalive);
-    PyObject *capsule = PyCapsule_New(managed, versioned ? "dltensor_versioned" : "dltensor", cdl_capsule_destructor);
+    PyObject *capsule = PyCapsule_New(managed, versioned ? cdl_versioned_name : cdl_legacy_name, cdl_capsule_destructor);
     if (capsule == NULL)
         cdl_release_block(block);
     return capsule;

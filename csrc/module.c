@@ -4,6 +4,7 @@
 
 cdl_names cdl_name;
 PyObject *cdl_CudaError;
+static PyObject *cdl_host_device; /* (kDLCPU, 0) */
 
 int cdl_parse_keywords(const char *func, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                        Py_ssize_t npositional, PyObject *const *names, PyObject **values, int count)
@@ -99,9 +100,21 @@ static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize
 static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
 {
     (void)unused;
+    PyObject *iface;
+    int found = cdl_lookup_attribute(self->obj, cdl_name.cuda_array_interface, &iface);
+    if (found < 0)
+        return NULL;
+    if (found == 0 && _PyType_Lookup(Py_TYPE(self->obj), cdl_name.array_interface) != NULL) {
+        /* Array-interface memory is host memory: no need to build the interface (NumPy makes a new
+         * dict on each access) just to say so. */
+        return Py_NewRef(cdl_host_device);
+    }
     cdl_array arr;
     PyObject *keepalive;
-    if (cdl_array_from_object(self->obj, &arr, &keepalive) < 0)
+    int status = found ? cdl_array_from_interface(iface, CDL_SOURCE_CAI, self->obj, &arr, &keepalive)
+                       : cdl_array_from_object(self->obj, &arr, &keepalive);
+    Py_XDECREF(iface);
+    if (status < 0)
         return NULL;
     Py_XDECREF(keepalive);
     return cdl_device_tuple(arr.device);
@@ -262,6 +275,9 @@ PyMODINIT_FUNC PyInit__core(void)
         PyType_Ready(&cdl_shim_type) < 0)
         return NULL;
     cdl_stream_options_init();
+    cdl_host_device = Py_BuildValue("(ii)", (int)kDLCPU, 0);
+    if (cdl_host_device == NULL)
+        return NULL;
     PyObject *module = PyModule_Create(&cdl_module);
     if (module == NULL)
         return NULL;

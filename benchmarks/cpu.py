@@ -1,0 +1,98 @@
+"""CPU benchmarks: the converter against its floors and peers, the shim and view paths against the
+frameworks' own exporters, growth with ndim and strides, and memory per conversion."""
+import importlib.util
+import os
+import subprocess
+import sysconfig
+import tempfile
+
+import numpy as np
+
+from cai_dlpack import cai2dlpack
+from cai_dlpack._benchmark import Holder, cpu_groups, measure, run_groups
+
+
+def build_floors():
+    """Compiles floors.c into an extension module and imports it; None without a compiler."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = os.path.join(tempfile.mkdtemp(prefix="cdl_floors_"), "_floors" + sysconfig.get_config_var("EXT_SUFFIX"))
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    command = [compiler, "-shared", "-fPIC", "-O2", "-I", sysconfig.get_paths()["include"],
+               os.path.join(here, "floors.c"), "-o", out]
+    if subprocess.run(command, capture_output=True).returncode != 0:
+        command[0] = "cc"
+        if subprocess.run(command, capture_output=True).returncode != 0:
+            return None
+    spec = importlib.util.spec_from_file_location("_floors", out)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def converter_extras():
+    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    holder = Holder(x)
+    ready = holder.__array_interface__
+    extras = []
+    reference = "NumPy x.__dlpack__()"
+    floors = build_floors()
+    if floors is not None:
+        extras += [("floor f0: malloc + PyCapsule_New", floors.f0),
+                   ("floor f1: f0 + 4 interned dict reads", lambda: floors.f1(ready)),
+                   ("floor f1 with PyDict_GetItemString", lambda: floors.f1_getitemstring(ready))]
+        reference = "floor f1: f0 + 4 interned dict reads"
+    try:
+        from dlpack import asdlpack  # the 'pydlpack' package
+        extras.append(("pydlpack asdlpack(ready dict).__dlpack__()", lambda: asdlpack(holder).__dlpack__()))
+    except ImportError:
+        pass
+    return {"converter": extras, "converter_reference": reference}
+
+
+def growth(repeat=11):
+    """cai2dlpack per-call ns for ndim 1..32, contiguous (strides None) and strided (explicit strides)."""
+    element = np.zeros(1, dtype=np.float32)
+    rows = []
+    for ndim in (1, 2, 4, 8, 16, 32):
+        shaped = element.reshape((1,) * ndim)
+        contiguous, strided = Holder(shaped, strides=False), Holder(shaped)
+        strided.__array_interface__["strides"] = (8,) * ndim
+        rows.append((ndim, measure(lambda: cai2dlpack(contiguous), repeat=repeat)["median"],
+                     measure(lambda: cai2dlpack(strided), repeat=repeat)["median"]))
+    return rows
+
+
+def resident_bytes():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory(calls=1_000_000):
+    """Resident growth over many conversions, and live allocations per capsule (tracemalloc)."""
+    import tracemalloc
+
+    holder = Holder(np.arange(16, dtype=np.float32).reshape(4, 4))
+    for _ in range(10_000):
+        cai2dlpack(holder)
+    before = resident_bytes()
+    for _ in range(calls):
+        cai2dlpack(holder)
+    growth_bytes = resident_bytes() - before
+    tracemalloc.start()
+    keep = [cai2dlpack(holder) for _ in range(1000)]
+    blocks = tracemalloc.take_snapshot().statistics("filename")
+    tracemalloc.stop()
+    allocations = sum(stat.count for stat in blocks) / len(keep)
+    return {"calls": calls, "rss_growth_bytes": growth_bytes, "allocations_per_capsule": allocations}
+
+
+def run(short=False):
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    groups = cpu_groups(np, torch, extra=None if short else converter_extras())
+    results = run_groups(groups, repeat=7 if short else 21)
+    references = {title: reference for title, reference, _ in groups}
+    return {"results": results, "references": references,
+            "growth": None if short else growth(), "memory": None if short else memory()}

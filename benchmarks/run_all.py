@@ -1,0 +1,103 @@
+"""Runs every benchmark this machine supports and writes benchmarks/results/<part>.md and .png, with the
+machine, Python and library versions. Usage: python benchmarks/run_all.py"""
+import os
+import platform
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cpu  # noqa: E402
+import gpu  # noqa: E402
+
+import cai_dlpack  # noqa: E402
+from cai_dlpack._benchmark import markdown  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def environment():
+    versions = [f"cai_dlpack {cai_dlpack.__version__}", f"Python {platform.python_version()}"]
+    for name, module in (("numpy", "numpy"), ("torch", "torch"), ("cupy", "cupy"), ("numba", "numba"),
+                         ("pydlpack", "dlpack")):
+        try:
+            versions.append(f"{name} {getattr(__import__(module), '__version__', '?')}")
+        except ImportError:
+            pass
+    cpu_name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu_name = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu_name}, {os.cpu_count()} cores; " + ", ".join(versions)
+
+
+def plot(path, results, growth=None):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = len(results) + (1 if growth else 0)
+    figure, axes = plt.subplots(panels, 1, figsize=(9, 2.2 * panels + 1), squeeze=False)
+    for axis, (title, rows) in zip(axes[:, 0], results):
+        labels = [label for label, _, _ in rows]
+        medians = [stats["median"] for _, stats, _ in rows]
+        errors = [[m - stats["min"] for m, (_, stats, _) in zip(medians, rows)],
+                  [stats["max"] - m for m, (_, stats, _) in zip(medians, rows)]]
+        colours = ["tab:green" if "DLPackShim" in label or "dlpack2cai" in label or "cai2dlpack" in label
+                   else "tab:gray" for label in labels]
+        axis.barh(labels, medians, xerr=errors, color=colours)
+        axis.set_title(title, fontsize=9)
+        axis.set_xlabel("ns per call (median, min-max)", fontsize=8)
+        axis.tick_params(labelsize=7)
+        axis.invert_yaxis()
+    if growth:
+        axis = axes[-1, 0]
+        ndims = [n for n, _, _ in growth]
+        axis.plot(ndims, [c for _, c, _ in growth], "o-", label="contiguous (strides None)")
+        axis.plot(ndims, [s for _, _, s in growth], "s-", label="strided (explicit strides)")
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("ndim", fontsize=8)
+        axis.set_ylabel("ns per cai2dlpack", fontsize=8)
+        axis.set_title("converter cost against ndim", fontsize=9)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return True
+
+
+def write(part, report, extra_lines):
+    os.makedirs(RESULTS, exist_ok=True)
+    text = [f"# {part.upper()} benchmarks", "", f"Machine: {environment()}", "",
+            markdown(report["results"], report["references"]), ""] + extra_lines
+    with open(os.path.join(RESULTS, f"{part}.md"), "w") as out:
+        out.write("\n".join(text) + "\n")
+    plot(os.path.join(RESULTS, f"{part}.png"), report["results"], report.get("growth"))
+    print("\n".join(text))
+
+
+def main():
+    report = cpu.run()
+    lines = ["## Growth of cai2dlpack with ndim (ns per call, median)", "",
+             "| ndim | contiguous | strided |", "|---:|---:|---:|"]
+    lines += [f"| {n} | {c:,.0f} | {s:,.0f} |" for n, c, s in report["growth"]]
+    m = report["memory"]
+    lines += ["", f"Memory: resident growth over {m['calls']:,} conversions: {m['rss_growth_bytes']:,} bytes; "
+              f"live allocations per unconsumed capsule: {m['allocations_per_capsule']:.2f} "
+              "(the capsule object and our one block)."]
+    write("cpu", report, lines)
+    if gpu.available():
+        report = gpu.run()
+        lines = ["## Host time of one conversion while the producer stream is busy for 100 ms", "",
+                 "| consumer | host us |", "|---|---:|"]
+        lines += [f"| {label} | {us:,.1f} |" for label, us in report["host_blocking_us"].items()]
+        write("gpu", report, lines)
+    else:
+        print("\nGPU benchmarks skipped: no CUDA GPU with PyTorch and CuPy here.")
+
+
+if __name__ == "__main__":
+    main()

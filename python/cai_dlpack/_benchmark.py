@@ -1,0 +1,75 @@
+"""Timing helpers and the CPU peer comparisons, shared by ``python -m cai_dlpack`` (a short run) and the
+scripts under benchmarks/ (the full run). Every figure is a ratio against a peer measured in the same run."""
+import statistics
+import timeit
+
+
+def measure(call, repeat=21, target_seconds=0.005):
+    """ns per call: median, min and max over repeat samples of many calls each."""
+    number = 1
+    while True:
+        elapsed = timeit.timeit(call, number=number)
+        if elapsed >= target_seconds / 4 or number >= 1 << 22:
+            break
+        number *= 4
+    number = max(1, int(number * target_seconds / max(elapsed, 1e-9)))
+    samples = [t / number * 1e9 for t in timeit.repeat(call, repeat=repeat, number=number)]
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "calls": number}
+
+
+class Holder:
+    """An object whose __array_interface__ is a ready dict: what a converter reads, and nothing else."""
+
+    def __init__(self, array, strides=True):
+        self.array = array
+        iface = dict(array.__array_interface__)
+        if not strides:
+            iface["strides"] = None
+        iface.pop("descr", None)
+        self.__array_interface__ = iface
+
+
+def cpu_groups(np, torch=None, extra=None, short=False):
+    """[(title, reference label, [(label, call)])]: each group's rows are compared with its reference."""
+    from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai
+
+    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    holder = Holder(x)
+    converter = [("cai2dlpack(ready dict)", lambda: cai2dlpack(holder)),
+                 ("NumPy x.__dlpack__()", x.__dlpack__)]
+    converter += list((extra or {}).get("converter", []))
+    groups = [("converter alone, 2-d float32", (extra or {}).get("converter_reference", "NumPy x.__dlpack__()"),
+               converter)]
+    if torch is not None:
+        groups.append(("NumPy array -> torch tensor", "torch.from_dlpack(x)", [
+            ("torch.from_dlpack(DLPackShim(x))", lambda: torch.from_dlpack(DLPackShim(x))),
+            ("torch.from_dlpack(x)", lambda: torch.from_dlpack(x)),
+            ("torch.from_numpy(x)", lambda: torch.from_numpy(x)),
+            ("(part of the shim's cost) NumPy builds x.__array_interface__", lambda: x.__array_interface__),
+        ]))
+        t = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
+        groups.append(("torch CPU tensor -> NumPy array", "numpy.from_dlpack(t)", [
+            ("numpy.asarray(dlpack2cai(t))", lambda: np.asarray(dlpack2cai(t))),
+            ("numpy.from_dlpack(t)", lambda: np.from_dlpack(t)),
+        ]))
+    return groups
+
+
+def run_groups(groups, repeat=21):
+    """Measures every row; returns [(title, [(label, stats, ratio to reference)])]."""
+    results = []
+    for title, reference, rows in groups:
+        measured = [(label, measure(call, repeat=repeat)) for label, call in rows]
+        base = dict(measured)[reference]["median"]
+        results.append((title, [(label, stats, stats["median"] / base) for label, stats in measured]))
+    return results
+
+
+def markdown(results, reference_of):
+    lines = ["| case | median ns/call | min-max | ratio |", "|---|---:|---:|---:|"]
+    for title, rows in results:
+        lines.append(f"| **{title}** (ratio to {reference_of[title]}) | | | |")
+        for label, stats, ratio in rows:
+            lines.append(f"| {label} | {stats['median']:,.0f} | {stats['min']:,.0f}-{stats['max']:,.0f} | "
+                         f"{ratio:.2f}x |")
+    return "\n".join(lines)
