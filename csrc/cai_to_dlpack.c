@@ -348,10 +348,17 @@ typedef struct {
 static void cdl_release_block(cdl_export_block *block)
 {
     if (Py_IsInitialized() && !cdl_interpreter_finalizing()) {
-        PyGILState_STATE state = PyGILState_Ensure();
-        Py_XDECREF(block->owner);
-        Py_XDECREF(block->keepalive);
-        PyGILState_Release(state);
+        if (PyGILState_Check()) {
+            /* The common case: a capsule or view dying under the GIL. */
+            Py_XDECREF(block->owner);
+            Py_XDECREF(block->keepalive);
+        }
+        else {
+            PyGILState_STATE state = PyGILState_Ensure();
+            Py_XDECREF(block->owner);
+            Py_XDECREF(block->keepalive);
+            PyGILState_Release(state);
+        }
     }
     /* Otherwise the interpreter is gone or going: its objects must not be touched, so the
      * references are left behind with it. */
