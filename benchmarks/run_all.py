@@ -50,6 +50,8 @@ def plot(path, results, growth=None):
         colours = ["tab:green" if "DLPackShim" in label or "dlpack2cai" in label or "cai2dlpack" in label
                    else "tab:gray" for label in labels]
         axis.barh(labels, medians, xerr=errors, color=colours)
+        if max(medians) > 20 * min(medians):
+            axis.set_xscale("log")
         axis.set_title(title, fontsize=9)
         axis.set_xlabel("ns per call (median, min-max)", fontsize=8)
         axis.tick_params(labelsize=7)

@@ -121,6 +121,13 @@ def main():
     if any(same != "yes" for _, same, _ in rows):
         print("\nFAILED: a conversion did not share memory")
         return 1
+    np = optional("numpy")
+    if np is not None:
+        from cai_dlpack._benchmark import cpu_groups, markdown, run_groups
+
+        groups = cpu_groups(np, optional("torch"))
+        print("\nShort benchmark against the peers, same run (full run: python benchmarks/run_all.py):\n")
+        print(markdown(run_groups(groups, repeat=7), {title: reference for title, reference, _ in groups}))
     print(f"\nOK: {len(rows)} conversions shared memory")
     return 0
 
