@@ -127,8 +127,16 @@ static int cdl_read_data(PyObject *data, cdl_source source, PyObject *obj, cdl_a
         return -1;
     }
     PyObject *view = PyMemoryView_FromObject(data == Py_None ? obj : data);
-    if (view == NULL)
+    if (view == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "__array_interface__ 'data' must be a (pointer, read_only) tuple, a buffer object, or None "
+                         "for an object with a buffer; %.200s has no buffer",
+                         Py_TYPE(data == Py_None ? obj : data)->tp_name);
+        }
         return -1;
+    }
     Py_buffer *buffer = PyMemoryView_GET_BUFFER(view);
     if (!PyBuffer_IsContiguous(buffer, 'C')) {
         Py_DECREF(view);

@@ -321,3 +321,13 @@ def test_cuda_made_tensor_exposes_cai_only():
 def test_zero_size_made_tensor_exports_null_pointer():
     made = MadeTensor(data=0x1234, device=(kDLCPU, 0), shape=(0, 4))
     assert dlpack2cai(made.capsule).__array_interface__["data"] == (0, False)
+
+
+def test_array_interface_data_without_buffer():
+    class Holder:
+        def __init__(self, data):
+            self.__array_interface__ = {"shape": (1,), "typestr": "|u1", "data": data, "version": 3}
+
+    for data, name in ((None, "Holder"), (5.0, "float"), ([1], "list")):
+        with pytest.raises(TypeError, match=f"__array_interface__ 'data' must be .*; {name} has no buffer"):
+            cai2dlpack(Holder(data))

@@ -1,6 +1,7 @@
 """Lifetime and leaks: owners live exactly as long as a capsule, view or tensor uses them; nothing grows."""
 import ctypes
 import gc
+import os
 import sys
 import tracemalloc
 import weakref
@@ -115,6 +116,9 @@ def test_deleter_runs_on_a_thread_without_the_gil(cudart):
 
 # ---- leaks ------------------------------------------------------------------------------------------
 
+UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
+
+
 def resident_bytes():
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * 4096
@@ -204,5 +208,6 @@ def test_no_growth_over_many_conversions(cudart, label):
         rss_growth = resident_bytes() - rss_before
         refs_after = sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
         assert traced_growth < 4096, (label, traced_growth)
-        assert rss_growth < 1 << 20, (label, rss_growth)
+        if not UNDER_ASAN:  # ASan's quarantine keeps freed blocks resident on purpose
+            assert rss_growth < 1 << 20, (label, rss_growth)
         assert all(abs(a - b) < 50 for a, b in zip(refs_before, refs_after)), (label, refs_before, refs_after)

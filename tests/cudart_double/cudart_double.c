@@ -5,7 +5,9 @@
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define API __attribute__((visibility("default")))
 
@@ -325,4 +327,37 @@ API int double_call_in_thread(void (*fn)(void *), void *arg)
     if (pthread_create(&thread, NULL, trampoline, pair) != 0)
         return -1;
     return pthread_join(thread, NULL);
+}
+
+/* Calls fn(arg) on a detached thread after delay_us microseconds: a deleter that runs while the
+ * interpreter shuts down. */
+struct delayed_call {
+    void (*fn)(void *);
+    void *arg;
+    unsigned delay_us;
+};
+
+static void *delayed_trampoline(void *raw)
+{
+    struct delayed_call call = *(struct delayed_call *)raw;
+    free(raw);
+    usleep(call.delay_us);
+    call.fn(call.arg);
+    return NULL;
+}
+
+API int double_call_later(void (*fn)(void *), void *arg, unsigned delay_us)
+{
+    struct delayed_call *call = malloc(sizeof(*call));
+    if (call == NULL)
+        return -1;
+    call->fn = fn;
+    call->arg = arg;
+    call->delay_us = delay_us;
+    pthread_t thread;
+    if (pthread_create(&thread, NULL, delayed_trampoline, call) != 0) {
+        free(call);
+        return -1;
+    }
+    return pthread_detach(thread);
 }

@@ -1,0 +1,116 @@
+"""Property-based fuzzing of both converters through the public API (a bounded run in CI; set
+CAI_DLPACK_FUZZ_EXAMPLES for a long run). Invariants: never a crash; valid input round-trips exactly;
+invalid input raises TypeError, ValueError or BufferError naming the interface."""
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cai_dlpack import cai2dlpack, dlpack2cai
+from support.dlpack_ctypes import MadeTensor
+
+EXAMPLES = int(os.environ.get("CAI_DLPACK_FUZZ_EXAMPLES", "400"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+BUFFER = np.zeros(1 << 16, dtype=np.uint8)
+BASE = BUFFER.ctypes.data
+
+
+class Int(int):
+    pass
+
+
+class Tuple(tuple):
+    pass
+
+
+class Dict(dict):
+    pass
+
+
+ints = st.one_of(st.integers(-3, 64), st.integers(-(2**70), 2**70), st.builds(Int, st.integers(0, 64)))
+junk = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=True), st.text(max_size=4), st.binary(max_size=4),
+                 st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
+typestrs = st.one_of(
+    st.sampled_from(["|b1", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8", "<c8",
+                     "<c16", "=f4", "|f8"]),
+    st.sampled_from([">f4", "<f16", "|O8", "<U4", "|V8", "<M8", "<m8", "|S4", "f4", "", "<f", "<bf16", "<i3"]),
+    st.text(max_size=5), junk)
+shapes = st.one_of(st.lists(st.integers(0, 6), max_size=5).map(tuple),
+                   st.lists(ints, max_size=70).map(tuple), st.lists(st.integers(0, 4), max_size=4).map(Tuple),
+                   st.lists(st.integers(0, 4), max_size=4), junk)
+strides = st.one_of(st.none(), st.lists(st.integers(-64, 64).map(lambda s: s * 8), max_size=5).map(tuple),
+                    st.lists(ints, max_size=6).map(tuple), junk)
+datas = st.one_of(st.tuples(st.integers(0, 1 << 12).map(lambda o: BASE + o), st.booleans()),
+                  st.tuples(ints, st.one_of(st.booleans(), junk)), st.just(None), st.binary(max_size=64), junk)
+versions = st.one_of(st.integers(0, 3), ints, junk)
+masks = st.one_of(st.none(), junk)
+
+
+@st.composite
+def interfaces(draw):
+    iface = {}
+    for key, strategy in (("shape", shapes), ("typestr", typestrs), ("data", datas), ("version", versions),
+                          ("strides", strides), ("mask", masks), ("offset", ints)):
+        if draw(st.integers(0, 9)) > 0 or key in ("strides", "mask", "offset"):
+            if key in ("strides", "mask", "offset") and draw(st.booleans()):
+                continue
+            iface[key] = draw(strategy)
+    return Dict(iface) if draw(st.booleans()) else iface
+
+
+class Holder:
+    def __init__(self, iface):
+        self.__array_interface__ = iface
+
+
+@FUZZ
+@given(interfaces(), st.sampled_from([None, (1, 0), (1, 3)]))
+def test_array_interface_dicts(iface, max_version):
+    try:
+        capsule = cai2dlpack(Holder(iface), max_version=max_version)
+    except (TypeError, ValueError, BufferError) as error:
+        assert "__array_interface__" in str(error) or "read-only" in str(error), repr(error)
+        return
+    view = dlpack2cai(capsule, stream=-1)
+    out = view.__array_interface__
+    assert out["shape"] == tuple(iface["shape"])
+    assert np.dtype(out["typestr"]) == np.dtype(iface["typestr"])
+    itemsize = np.dtype(iface["typestr"]).itemsize
+    if isinstance(iface["data"], tuple):
+        expected_pointer = iface["data"][0]
+    else:
+        expected_pointer = None  # a buffer object: checked through the bytes below
+    size = int(np.prod(out["shape"])) if out["shape"] else 1
+    if expected_pointer is not None and size:
+        assert out["data"][0] == expected_pointer
+    if iface.get("strides") is not None and size:
+        assert tuple(s // itemsize for s in out["strides"]) == tuple(s // itemsize for s in iface["strides"])
+
+
+@FUZZ
+@given(ndim=st.integers(-2, 70), code=st.integers(0, 8), bits=st.sampled_from([1, 4, 8, 16, 32, 64, 128, 255]),
+       lanes=st.sampled_from([0, 1, 2, 4]), device=st.sampled_from([1, 2, 3, 4, 10, 13, 99]),
+       null_strides=st.booleans(), offset=st.integers(0, 64), versioned=st.booleans(),
+       version=st.tuples(st.integers(0, 3), st.integers(0, 9)), flags=st.integers(0, 7),
+       dims=st.lists(st.integers(-2, 5), min_size=70, max_size=70),
+       steps=st.lists(st.integers(-(2**62), 2**62), min_size=70, max_size=70))
+def test_arbitrary_dlpack_tensors(ndim, code, bits, lanes, device, null_strides, offset, versioned, version, flags,
+                                  dims, steps):
+    shape = tuple(dims[: max(ndim, 0)])
+    made = MadeTensor(data=BASE, device=(device, 0), dtype=(code, bits, lanes), shape=shape,
+                      strides=None if null_strides else tuple(steps[: len(shape)]), byte_offset=offset,
+                      versioned=versioned, version=version, flags=flags, ndim=ndim)
+    try:
+        view = dlpack2cai(made.capsule)
+    except BufferError:
+        assert made.deleted == 1
+        return
+    assert made.deleted == 0
+    assert view.shape == shape and view.device == (device, 0)
+    iface = view.__cuda_array_interface__ if device in (2, 3, 13) else view.__array_interface__
+    assert iface["shape"] == shape
+    if all(shape):
+        assert iface["data"][0] == BASE + offset
+    del view, iface
+    assert made.deleted == 1
