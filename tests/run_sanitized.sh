@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Builds the extension with AddressSanitizer + UndefinedBehaviorSanitizer and runs the CPU suite with the
 # ASan runtime preloaded into the interpreter; any report fails the run. Needs the build requirements
-# (apache-tvm-ffi, nvidia-cuda-runtime, nvidia-cuda-crt) importable by the current python.
+# (apache-tvm-ffi, nvidia-cuda-runtime, nvidia-cuda-crt) importable by the current python, or installed in
+# a folder named by BUILD_DEPS (pip install --target DIR ...), which only the build step sees.
 # Usage: bash tests/run_sanitized.sh [pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 build=build/sanitized
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Debug -DCAI_DLPACK_SANITIZE=ON -DCAI_DLPACK_WERROR=ON \
+PYTHONPATH="${BUILD_DEPS:-}${PYTHONPATH:+:$PYTHONPATH}" cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Debug -DCAI_DLPACK_SANITIZE=ON -DCAI_DLPACK_WERROR=ON \
   -DPython_EXECUTABLE="$("$python" -c 'import sys; print(sys.executable)')" >"$build.log" 2>&1 || { cat "$build.log"; exit 1; }
 cmake --build "$build" -j 2 >>"$build.log" 2>&1 || { cat "$build.log"; exit 1; }
 package="$build/site/cai_dlpack"
