@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 build=build/sanitized
+mkdir -p build
 PYTHONPATH="${BUILD_DEPS:-}${PYTHONPATH:+:$PYTHONPATH}" cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Debug -DCAI_DLPACK_SANITIZE=ON -DCAI_DLPACK_WERROR=ON \
   -DPython_EXECUTABLE="$("$python" -c 'import sys; print(sys.executable)')" >"$build.log" 2>&1 || { cat "$build.log"; exit 1; }
 cmake --build "$build" -j 2 >>"$build.log" 2>&1 || { cat "$build.log"; exit 1; }
