@@ -115,5 +115,7 @@ PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream);
  * (borrowed; untouched when absent). Returns 0, or -1 with TypeError. */
 int cdl_parse_keywords(const char *func, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                        Py_ssize_t npositional, PyObject *const *names, PyObject **values, int count);
+/* The keywords of __dlpack__ (stream, max_version, dl_device, copy) into values[0..3]. */
+int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **values);
 
 #endif

@@ -313,9 +313,8 @@ static void cdl_array_from_view(const cdl_view *self, cdl_array *arr)
 
 static PyObject *cdl_view_dlpack(cdl_view *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    PyObject *names[] = {cdl_name.stream, cdl_name.max_version, cdl_name.dl_device, cdl_name.copy};
-    PyObject *values[] = {NULL, NULL, NULL, NULL};
-    if (cdl_parse_keywords("__dlpack__", args, nargs, kwnames, 0, names, values, 4) < 0)
+    PyObject *values[4];
+    if (cdl_parse_dlpack_keywords(args, nargs, kwnames, values) < 0)
         return NULL;
     cdl_array arr;
     cdl_array_from_view(self, &arr);

@@ -35,6 +35,13 @@ int cdl_parse_keywords(const char *func, PyObject *const *args, Py_ssize_t nargs
     return 0;
 }
 
+int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **values)
+{
+    PyObject *names[] = {cdl_name.stream, cdl_name.max_version, cdl_name.dl_device, cdl_name.copy};
+    values[0] = values[1] = values[2] = values[3] = NULL;
+    return cdl_parse_keywords("__dlpack__", args, nargs, kwnames, 0, names, values, 4);
+}
+
 /* ---- DLPackShim ---------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -84,9 +91,8 @@ static void cdl_shim_dealloc(cdl_shim *self)
 
 static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    PyObject *names[] = {cdl_name.stream, cdl_name.max_version, cdl_name.dl_device, cdl_name.copy};
-    PyObject *values[] = {NULL, NULL, NULL, NULL};
-    if (cdl_parse_keywords("__dlpack__", args, nargs, kwnames, 0, names, values, 4) < 0)
+    PyObject *values[4];
+    if (cdl_parse_dlpack_keywords(args, nargs, kwnames, values) < 0)
         return NULL;
     cdl_array arr;
     PyObject *keepalive;
