@@ -401,12 +401,14 @@ static void cdl_capsule_destructor(PyObject *capsule)
         ((DLManagedTensor *)managed)->deleter((DLManagedTensor *)managed);
 }
 
-PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned)
+void *cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned)
 {
     size_t ndim = (size_t)arr->ndim;
     cdl_export_block *block = PyMem_RawMalloc(sizeof(cdl_export_block) + 2 * ndim * sizeof(int64_t));
-    if (block == NULL)
-        return PyErr_NoMemory();
+    if (block == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
     DLTensor *tensor;
     void *managed;
     if (versioned) {
@@ -439,9 +441,21 @@ PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject
     }
     block->owner = Py_XNewRef(owner);
     block->keepalive = Py_XNewRef(keepalive);
+    return managed;
+}
+
+PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned)
+{
+    void *managed = cdl_managed_from_array(arr, owner, keepalive, versioned);
+    if (managed == NULL)
+        return NULL;
     PyObject *capsule = PyCapsule_New(managed, versioned ? cdl_versioned_name : cdl_legacy_name, cdl_capsule_destructor);
-    if (capsule == NULL)
-        cdl_release_block(block);
+    if (capsule == NULL) {
+        if (versioned)
+            ((DLManagedTensorVersioned *)managed)->deleter(managed);
+        else
+            ((DLManagedTensor *)managed)->deleter(managed);
+    }
     return capsule;
 }
 

@@ -75,6 +75,8 @@ int cdl_raise_cuda_error(const char *call, int code);
 /* Function table of the loaded runtime; NULL with RuntimeError saying what was searched. */
 struct cdl_cudart;
 const struct cdl_cudart *cdl_cudart_get(void);
+/* The runtime if it is already loaded, else NULL; touches no Python state (any thread, no GIL). */
+const struct cdl_cudart *cdl_cudart_loaded(void);
 PyObject *cdl_cuda_runtime_info(PyObject *module, PyObject *unused);
 
 /* stream_sync.c ---------------------------------------------------------------------------------- */
@@ -95,6 +97,10 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
 /* Reads obj's __cuda_array_interface__ (else __array_interface__; a dict is a CAI dict) into *out,
  * device included. Same contract as above. */
 int cdl_array_from_object(PyObject *obj, cdl_array *out, PyObject **keepalive);
+/* The managed tensor (DLManagedTensor, or DLManagedTensorVersioned when versioned) of arr in one
+ * allocation; its deleter releases owner and keepalive (new references taken here). NULL with an
+ * exception set. */
+void *cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned);
 /* Builds a capsule of the given kind whose deleter releases owner and keepalive (new references
  * taken here). Returns the capsule, or NULL with an exception set. */
 PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned);
@@ -104,9 +110,18 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
 /* (device_type, device_id) as a tuple. */
 PyObject *cdl_device_tuple(DLDevice device);
 
+/* c_api.c ---------------------------------------------------------------------------------------- */
+/* Adds the C API capsule to the module and the exchange API to our types. Returns 0 or -1. */
+int cdl_c_api_init(PyObject *module);
+
 /* dlpack_to_cai.c -------------------------------------------------------------------------------- */
 extern PyTypeObject cdl_view_type;
 int cdl_view_type_init(void);
+/* A view owning managed (stolen: on failure its deleter has run), its data ready on stream. */
+PyObject *cdl_view_new(void *managed, int versioned, int64_t stream);
+/* A view's tensor as a record (byte offset folded in, strides explicit), and the tensor itself. */
+void cdl_array_from_view(PyObject *view, cdl_array *arr);
+const DLTensor *cdl_view_tensor(PyObject *view);
 /* Consumes a capsule or calls obj.__dlpack__; returns a new view or NULL with an exception set. */
 PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream);
 
@@ -117,5 +132,13 @@ int cdl_parse_keywords(const char *func, PyObject *const *args, Py_ssize_t nargs
                        Py_ssize_t npositional, PyObject *const *names, PyObject **values, int count);
 /* The keywords of __dlpack__ (stream, max_version, dl_device, copy) into values[0..3]. */
 int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **values);
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *obj;         /* the wrapped CAI or array-interface object */
+    PyObject *weakreflist;
+    int64_t *dims;         /* shape and strides lent by the exchange API's DLTensor call; made on first use */
+} cdl_shim;
+extern PyTypeObject cdl_shim_type;
 
 #endif

@@ -32,6 +32,11 @@ static const char *cdl_resolve_symbols(void *handle, cdl_cudart *table)
     CDL_RESOLVE(event_destroy, "cudaEventDestroy");
     CDL_RESOLVE(event_record, "cudaEventRecord");
     CDL_RESOLVE(stream_wait_event, "cudaStreamWaitEvent");
+    CDL_RESOLVE(malloc, "cudaMalloc");
+    CDL_RESOLVE(free, "cudaFree");
+    CDL_RESOLVE(malloc_host, "cudaMallocHost");
+    CDL_RESOLVE(free_host, "cudaFreeHost");
+    CDL_RESOLVE(malloc_managed, "cudaMallocManaged");
 #undef CDL_RESOLVE
     return NULL;
 }
@@ -94,6 +99,8 @@ static int cdl_try_wheels(char *tried, size_t tried_size)
     Py_DECREF(list);
     return found;
 }
+
+const cdl_cudart *cdl_cudart_loaded(void) { return cdl_runtime_loaded ? &cdl_runtime : NULL; }
 
 const cdl_cudart *cdl_cudart_get(void)
 {

@@ -18,6 +18,12 @@ typedef struct cdl_cudart {
     cudaError_t (*event_destroy)(cudaEvent_t);
     cudaError_t (*event_record)(cudaEvent_t, cudaStream_t);
     cudaError_t (*stream_wait_event)(cudaStream_t, cudaEvent_t, unsigned int);
+    /* For tensors the DLPack exchange API asks us to allocate. */
+    cudaError_t (*malloc)(void **, size_t);
+    cudaError_t (*free)(void *);
+    cudaError_t (*malloc_host)(void **, size_t);
+    cudaError_t (*free_host)(void *);
+    cudaError_t (*malloc_managed)(void **, size_t, unsigned int);
 } cdl_cudart;
 
 #endif

@@ -113,7 +113,7 @@ static int cdl_view_describe(cdl_view *view)
 }
 
 /* Takes ownership of managed: on failure its deleter has run. */
-static PyObject *cdl_view_new(void *managed, int versioned, int64_t stream)
+PyObject *cdl_view_new(void *managed, int versioned, int64_t stream)
 {
     DLTensor *tensor;
     int read_only = 0;
@@ -293,9 +293,11 @@ static PyObject *cdl_view_get_read_only(cdl_view *self, void *closure)
     return PyBool_FromLong(self->read_only);
 }
 
-/* The view's tensor as a record, for handing it on through __dlpack__. */
-static void cdl_array_from_view(const cdl_view *self, cdl_array *arr)
+const DLTensor *cdl_view_tensor(PyObject *view) { return ((cdl_view *)view)->tensor; }
+
+void cdl_array_from_view(PyObject *view, cdl_array *arr)
 {
+    const cdl_view *self = (const cdl_view *)view;
     const DLTensor *t = self->tensor;
     arr->data = (char *)t->data + t->byte_offset;
     arr->dtype = t->dtype;
@@ -317,7 +319,7 @@ static PyObject *cdl_view_dlpack(cdl_view *self, PyObject *const *args, Py_ssize
     if (cdl_parse_dlpack_keywords(args, nargs, kwnames, values) < 0)
         return NULL;
     cdl_array arr;
-    cdl_array_from_view(self, &arr);
+    cdl_array_from_view((PyObject *)self, &arr);
     return cdl_export(&arr, (PyObject *)self, NULL, values[0], values[1], values[2], values[3]);
 }
 

@@ -44,12 +44,6 @@ int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject 
 
 /* ---- DLPackShim ---------------------------------------------------------------------------------- */
 
-typedef struct {
-    PyObject_HEAD
-    PyObject *obj;   /* the wrapped CAI or array-interface object */
-    PyObject *weakreflist;
-} cdl_shim;
-
 static PyObject *cdl_shim_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     PyObject *obj;
@@ -86,6 +80,7 @@ static void cdl_shim_dealloc(cdl_shim *self)
     if (self->weakreflist != NULL)
         PyObject_ClearWeakRefs((PyObject *)self);
     cdl_shim_clear(self);
+    PyMem_Free(self->dims);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -151,13 +146,13 @@ static PyGetSetDef cdl_shim_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject cdl_shim_type = {
+PyTypeObject cdl_shim_type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cai_dlpack.DLPackShim",
     .tp_basicsize = sizeof(cdl_shim),
     .tp_dealloc = (destructor)cdl_shim_dealloc,
     .tp_repr = (reprfunc)cdl_shim_repr,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
     .tp_doc = "DLPackShim(obj)\n\nGives any object with __cuda_array_interface__ (or __array_interface__) the "
               "DLPack protocol, so torch.from_dlpack(DLPackShim(obj)) shares its memory.",
     .tp_traverse = (traverseproc)cdl_shim_traverse,
@@ -295,7 +290,8 @@ PyMODINIT_FUNC PyInit__core(void)
         PyModule_AddObjectRef(module, "DLPackShim", (PyObject *)&cdl_shim_type) < 0 ||
         PyModule_AddObjectRef(module, "DLPackView", (PyObject *)&cdl_view_type) < 0 ||
         cdl_add_new_object(module, "DLPACK_VERSION", Py_BuildValue("(ii)", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION)) < 0 ||
-        PyModule_AddIntConstant(module, "CUDART_HEADER_MAJOR", CDL_CUDART_HEADER_MAJOR) < 0) {
+        PyModule_AddIntConstant(module, "CUDART_HEADER_MAJOR", CDL_CUDART_HEADER_MAJOR) < 0 ||
+        cdl_c_api_init(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

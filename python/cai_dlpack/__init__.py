@@ -10,6 +10,7 @@
 from ._core import (
     CUDART_HEADER_MAJOR,
     DLPACK_VERSION,
+    _C_API,
     CudaError,
     DLPackShim,
     DLPackView,

@@ -251,6 +251,63 @@ API cudaError_t cudaDeviceSynchronize(void)
     return 0;
 }
 
+/* Device allocations are host memory here, so tests can read what a consumer wrote. */
+static void *remember(const char *call, void **pointer, size_t size)
+{
+    *pointer = malloc(size ? size : 1);
+    note("%s(%zu) -> %s", call, size, *pointer ? "ok" : "out of memory");
+    return *pointer;
+}
+
+API cudaError_t cudaMalloc(void **pointer, size_t size)
+{
+    pthread_mutex_lock(&lock);
+    int code = injected("cudaMalloc");
+    if (code == 0 && remember("cudaMalloc", pointer, size) == NULL)
+        code = last_error = 2;
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaMallocHost(void **pointer, size_t size)
+{
+    pthread_mutex_lock(&lock);
+    int code = injected("cudaMallocHost");
+    if (code == 0 && remember("cudaMallocHost", pointer, size) == NULL)
+        code = last_error = 2;
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaMallocManaged(void **pointer, size_t size, unsigned int flags)
+{
+    (void)flags;
+    pthread_mutex_lock(&lock);
+    int code = injected("cudaMallocManaged");
+    if (code == 0 && remember("cudaMallocManaged", pointer, size) == NULL)
+        code = last_error = 2;
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaFree(void *pointer)
+{
+    pthread_mutex_lock(&lock);
+    note("cudaFree()");
+    free(pointer);
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+API cudaError_t cudaFreeHost(void *pointer)
+{
+    pthread_mutex_lock(&lock);
+    note("cudaFreeHost()");
+    free(pointer);
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
 /* ---- controls for the tests -------------------------------------------------------------------- */
 
 API void double_reset(void)

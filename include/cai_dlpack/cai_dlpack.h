@@ -1,0 +1,80 @@
+/* cai_dlpack C API: accept any GPU (or host) array in a C or C++ extension without a Python round trip.
+ *
+ *   #include <cai_dlpack/cai_dlpack.h>       // needs Python.h and dlpack/dlpack.h (>= 1.1) on the path
+ *   const cai_dlpack_api *api = cai_dlpack_import();   // once, e.g. in your module init; NULL + exception
+ *   DLTensor t; int64_t shape[CAI_DLPACK_MAX_NDIM], strides[CAI_DLPACK_MAX_NDIM];
+ *   if (api->fill_tensor(obj, stream, &t, shape, strides, CAI_DLPACK_MAX_NDIM) < 0) return NULL;
+ *   launch_kernel(t.data, ...);
+ *
+ * Every call returns 0 (or a pointer), or -1 (or NULL) with a Python exception set, and must be made
+ * with the GIL held. Stream values follow the array API: 1 is the legacy default stream, 2 the
+ * per-thread default stream, any other positive value a cudaStream_t, -1 "no ordering, the caller takes
+ * care of it". When the producer names a stream (the CAI 'stream' entry), cai_dlpack orders it before
+ * the consumer stream on the device (an event, the host never waits). */
+#ifndef CAI_DLPACK_H
+#define CAI_DLPACK_H
+
+#include <Python.h>
+#include <dlpack/dlpack.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The API's version: a new major breaks callers, a new minor only appends members. */
+#define CAI_DLPACK_API_MAJOR 1
+#define CAI_DLPACK_API_MINOR 0
+/* The most dimensions cai_dlpack accepts. */
+#define CAI_DLPACK_MAX_NDIM 64
+
+typedef struct cai_dlpack_api {
+    /* CAI_DLPACK_API_MAJOR and _MINOR of the loaded module. */
+    uint32_t major;
+    uint32_t minor;
+
+    /* obj (an object with __cuda_array_interface__ or __array_interface__, a __dlpack__ producer, a
+     * DLPackShim or a DLPackView) -> a new owning tensor, its data ready on consumer_stream. The caller
+     * owns *out and calls its deleter exactly once (from any thread). */
+    int (*to_managed_tensor)(PyObject *obj, int64_t consumer_stream, DLManagedTensorVersioned **out);
+
+    /* obj (CAI, array interface, DLPackShim or DLPackView) -> *out describes its data, shape and strides
+     * written to the caller's arrays of capacity entries. No allocation, no Python object kept: *out is
+     * borrowed and valid while obj lives and its interface is unchanged. *read_only (may be NULL) says
+     * whether the producer marked the data read-only. */
+    int (*fill_tensor)(PyObject *obj, int64_t consumer_stream, DLTensor *out, int64_t *shape, int64_t *strides,
+                       int capacity, int *read_only);
+
+    /* An owning tensor -> a new DLPackView exposing __cuda_array_interface__ / __array_interface__,
+     * whose data is ready on stream (its exported CAI 'stream'; -1: none). Steals managed: on failure its
+     * deleter has already run. */
+    PyObject *(*view_from_managed_tensor)(DLManagedTensorVersioned *managed, int64_t stream);
+} cai_dlpack_api;
+
+/* The name of the PyCapsule, module attribute cai_dlpack._C_API, that holds the table. */
+#define CAI_DLPACK_API_CAPSULE "cai_dlpack._C_API"
+
+/* Imports cai_dlpack and returns its API table (cached after the first call), or NULL with ImportError
+ * set when the module is missing or its major version differs from this header's. */
+static inline const cai_dlpack_api *cai_dlpack_import(void)
+{
+    static const cai_dlpack_api *api = NULL;
+    if (api != NULL)
+        return api;
+    const cai_dlpack_api *found = (const cai_dlpack_api *)PyCapsule_Import(CAI_DLPACK_API_CAPSULE, 0);
+    if (found == NULL)
+        return NULL;
+    if (found->major != CAI_DLPACK_API_MAJOR) {
+        PyErr_Format(PyExc_ImportError, "cai_dlpack C API version %u.%u; this extension was built for %d.x",
+                     (unsigned)found->major, (unsigned)found->minor, CAI_DLPACK_API_MAJOR);
+        return NULL;
+    }
+    api = found;
+    return api;
+}
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
