@@ -49,6 +49,24 @@ def converter_extras():
     return {"converter": extras, "converter_reference": reference}
 
 
+def exchange_group():
+    """tvm_ffi.from_dlpack through our DLPack C exchange API against the same conversion by __dlpack__."""
+    try:
+        import tvm_ffi
+    except ImportError:
+        return []
+    from cai_dlpack import DLPackShim
+
+    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    shim = DLPackShim(Holder(x))  # a ready interface dict: the exchange path itself, not NumPy's dict building
+    return [("apache-tvm-ffi consumer, a ready interface behind a DLPackShim", "tvm_ffi.from_dlpack(shim.__dlpack__(...))", [
+        ("tvm_ffi.from_dlpack(shim): C exchange API", lambda: tvm_ffi.from_dlpack(shim)),
+        ("tvm_ffi.from_dlpack(shim.__dlpack__(...))",
+         lambda: tvm_ffi.from_dlpack(shim.__dlpack__(max_version=(1, 0)))),
+        ("tvm_ffi.from_dlpack(x): NumPy's own __dlpack__", lambda: tvm_ffi.from_dlpack(x)),
+    ])]
+
+
 def growth(repeat=11):
     """cai2dlpack per-call ns for ndim 1..32, contiguous (strides None) and strided (explicit strides)."""
     element = np.zeros(1, dtype=np.float32)
@@ -92,6 +110,8 @@ def run(short=False):
     except ImportError:
         torch = None
     groups = cpu_groups(np, torch, extra=None if short else converter_extras())
+    if not short:
+        groups += exchange_group()
     results = run_groups(groups, repeat=7 if short else 21)
     references = {title: reference for title, reference, _ in groups}
     return {"results": results, "references": references,
