@@ -175,7 +175,8 @@ static int cdl_check_extent(const cdl_array *arr, cdl_source source, PyObject *s
     if (__builtin_add_overflow(high, itemsize, &high))
         goto overflow;
     if (buffer_length >= 0) {
-        if (offset < -low || high > (int64_t)buffer_length - offset) {
+        /* offset >= 0 and low <= 0, so offset + low cannot overflow (-low could, for INT64_MIN). */
+        if (offset + low < 0 || high > (int64_t)buffer_length - offset) {
             PyErr_Format(PyExc_ValueError,
                          "__array_interface__ 'shape', 'strides' and 'offset' reach bytes [%lld, %lld) of a "
                          "buffer of %zd bytes",
@@ -190,7 +191,7 @@ static int cdl_check_extent(const cdl_array *arr, cdl_source source, PyObject *s
                      cdl_source_name(source), (long long)count);
         return -1;
     }
-    if ((uint64_t)-low > address || (uint64_t)high - 1 > UINTPTR_MAX - address)
+    if (0 - (uint64_t)low > address || (uint64_t)high - 1 > UINTPTR_MAX - address)
         goto overflow;
     return 0;
 overflow:
@@ -309,9 +310,11 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
         out->device.device_type = kDLCPU;
         out->device.device_id = 0;
     }
+    Py_DECREF(data);
     return 0;
 fail:
     Py_CLEAR(*keepalive);
+    Py_DECREF(data);
     return -1;
 }
 

@@ -69,6 +69,8 @@ CASES = [
     (dict(strides=(4.0,)), TypeError, "'strides'[0] must be an int, not float"),
     (dict(strides=(2**62,)), ValueError, "outside the address space"),
     (dict(strides=(-(2**62),)), ValueError, "outside the address space"),
+    # The lowest byte offset is exactly INT64_MIN: found by the C fuzzer (UBSan: negating it overflowed).
+    (dict(shape=(2,), strides=(-(2**63),)), ValueError, "outside the address space"),
     (dict(mask=np.ones(12, bool)), BufferError, "'mask' is set"),
     (dict(mask=None), None, None),
     (dict(stream=0), ValueError, "'stream' 0 is not a valid stream"),

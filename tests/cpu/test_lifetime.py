@@ -158,6 +158,11 @@ def paths(cudart):
         "device with streams": lambda: cai2dlpack(device, stream=0x6000, max_version=(1, 0)),
         "dict with owner": lambda: cai2dlpack(device.__cuda_array_interface__, owner=host),
         "shim into numpy": lambda: np.from_dlpack(DLPackShim(host_owner)),
+        # Producers that build a new interface dict on every access (NumPy itself, CuPy, Numba do).
+        "fresh numpy interface": lambda: cai2dlpack(host_owner.array, max_version=(1, 0)),
+        "fresh CAI dict": lambda: cai2dlpack(FreshCai(device)),
+        "fresh buffer interface": lambda: cai2dlpack(FreshBuffer()),
+        "error: fresh dict": expect(ValueError, cai2dlpack, FreshCai(device, typestr="<f16")),
         "shim into torch": lambda: torch.from_dlpack(DLPackShim(host_owner)),
         "torch into view into numpy": lambda: np.asarray(dlpack2cai(tensor)),
         "view handed on": lambda: dlpack2cai(dlpack2cai(cai2dlpack(device), stream=2).__dlpack__(stream=0x6000)),
@@ -174,6 +179,27 @@ def paths(cudart):
     }
 
 
+class FreshCai:
+    """Builds a new CAI dict (new tuples, new ints) on every access, as CuPy and Numba do."""
+
+    def __init__(self, like, **changes):
+        self.like, self.changes = like, changes
+
+    @property
+    def __cuda_array_interface__(self):
+        iface = {key: (tuple(value) if isinstance(value, tuple) else value)
+                 for key, value in self.like.__cuda_array_interface__.items()}
+        iface["data"] = (iface["data"][0] + 0, iface["data"][1])
+        iface.update(self.changes)
+        return iface
+
+
+class FreshBuffer:
+    @property
+    def __array_interface__(self):
+        return {"shape": (4,), "typestr": "|u1", "data": bytearray(4), "version": 3}
+
+
 def _used_capsule():
     capsule = cai2dlpack(np.arange(2))
     dlpack2cai(capsule)
@@ -181,7 +207,8 @@ def _used_capsule():
 
 
 PATH_NAMES = [
-    "host legacy", "host versioned", "device with streams", "dict with owner", "shim into numpy", "shim into torch",
+    "host legacy", "host versioned", "fresh numpy interface", "fresh CAI dict", "fresh buffer interface",
+    "error: fresh dict", "device with streams", "dict with owner", "shim into numpy", "shim into torch",
     "torch into view into numpy", "view handed on", "device view interface", "error: typestr", "error: missing key",
     "numpy refuses a device tensor", "error: stream", "error: unregistered", "error: read-only legacy", "error: cuda", "error: used capsule",
     "error: bad tensor",

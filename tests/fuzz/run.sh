@@ -12,10 +12,9 @@ pyinc=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['include'])"
 pylib=$("$python" -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
 pyver=$("$python" -c "import sysconfig; print(sysconfig.get_config_var('LDVERSION'))")
 mkdir -p build/fuzz
-"$clang" -g -O1 -fsanitize=fuzzer,address,undefined -DCDL_CUDART_HEADER_MAJOR=13 \
+"$clang" -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -DCDL_CUDART_HEADER_MAJOR=13 \
   -I csrc -I include -isystem "$dlpack" -isystem "$cuda" -I "$pyinc" \
-  tests/fuzz/fuzz_interface.c csrc/module.c csrc/dtype.c csrc/cai_to_dlpack.c csrc/dlpack_to_cai.c \
-  csrc/cuda_runtime.c csrc/stream_sync.c -L "$pylib" -Wl,-rpath,"$pylib" -l"python$pyver" -ldl -lm \
+  tests/fuzz/fuzz_interface.c csrc/*.c -L "$pylib" -Wl,-rpath,"$pylib" -l"python$pyver" -ldl -lm \
   -o build/fuzz/fuzz_interface
 mkdir -p build/fuzz/corpus
 export ASAN_OPTIONS=detect_leaks=0
