@@ -117,6 +117,8 @@ def test_deleter_runs_on_a_thread_without_the_gil(cudart):
 # ---- leaks ------------------------------------------------------------------------------------------
 
 UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
+# 5,000 in CI; CAI_DLPACK_LEAK_ITERATIONS=100000 for the long run by hand.
+ITERATIONS = int(os.environ.get("CAI_DLPACK_LEAK_ITERATIONS", "5000"))
 
 
 def resident_bytes():
@@ -227,7 +229,7 @@ def test_no_growth_over_many_conversions(cudart, label):
         rss_before = resident_bytes()
         traced_before = tracemalloc.get_traced_memory()[0]
         refs_before = sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
-        for _ in range(5000):
+        for _ in range(ITERATIONS):
             run()
         gc.collect()
         traced_growth = tracemalloc.get_traced_memory()[0] - traced_before
