@@ -88,6 +88,61 @@ def test_array_interface_dicts(iface, max_version):
         assert tuple(s // itemsize for s in out["strides"]) == tuple(s // itemsize for s in iface["strides"])
 
 
+class CaiHolder:
+    def __init__(self, iface):
+        self.__cuda_array_interface__ = iface
+
+
+class Raising:
+    def __init__(self, error):
+        self.error = error
+
+    @property
+    def __cuda_array_interface__(self):
+        raise self.error
+
+
+cai_streams = st.one_of(st.none(), st.integers(-2, 3), st.integers(2**40, 2**64), junk)
+
+
+@FUZZ
+@given(interfaces(), cai_streams, st.one_of(st.none(), st.integers(-2, 3), junk))
+def test_cai_dicts_through_the_runtime_double(iface, stream, consumer):
+    """The CAI path: the double says the fuzzed pointer range is device memory on device 1."""
+    from conftest import _DOUBLE
+
+    _DOUBLE.reset()
+    _DOUBLE.add_region(BASE, BUFFER.nbytes, 2, 1)
+    iface = dict(iface, stream=stream)
+    try:
+        capsule = cai2dlpack(CaiHolder(iface), stream=consumer, max_version=(1, 0))
+    except (TypeError, ValueError, BufferError) as error:
+        message = str(error)
+        assert "__cuda_array_interface__" in message or "stream" in message or "read-only" in message, repr(error)
+        return
+    finally:
+        assert _DOUBLE.current_device == 0
+    view = dlpack2cai(capsule, stream=-1)
+    out = view.__cuda_array_interface__
+    assert out["shape"] == tuple(iface["shape"]) and view.device[0] == 2
+
+
+@FUZZ
+@given(st.one_of(st.sampled_from([RuntimeError("x"), AttributeError("y"), KeyError("z"), MemoryError()]),
+                 junk.map(lambda value: ValueError(value))))
+def test_interface_properties_that_raise(error):
+    expected = TypeError if isinstance(error, AttributeError) else type(error)
+    try:
+        cai2dlpack(Raising(error))
+    except expected as raised:
+        if isinstance(error, AttributeError):  # as with hasattr(): the object has no usable interface
+            assert "neither __cuda_array_interface__ nor __array_interface__" in str(raised)
+        else:
+            assert raised is error
+    else:
+        raise AssertionError("no error")
+
+
 @FUZZ
 @given(ndim=st.integers(-2, 70), code=st.integers(0, 8), bits=st.sampled_from([1, 4, 8, 16, 32, 64, 128, 255]),
        lanes=st.sampled_from([0, 1, 2, 4]), device=st.sampled_from([1, 2, 3, 4, 10, 13, 99]),
