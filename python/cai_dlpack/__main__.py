@@ -112,6 +112,9 @@ def main():
     host_round_trips(rows)
     if devices:
         gpu_round_trips(rows)
+    if not rows:
+        print("\nNo framework to round-trip with: install numpy (and torch, cupy, numba-cuda, jax) first.")
+        return 0
     width = max(len(r[0]) for r in rows) if rows else 20
     print()
     print(f"| {'zero-copy round trip':{width}s} | same memory | ns per call |")
