@@ -107,12 +107,10 @@ cai_streams = st.one_of(st.none(), st.integers(-2, 3), st.integers(2**40, 2**64)
 
 @FUZZ
 @given(interfaces(), cai_streams, st.one_of(st.none(), st.integers(-2, 3), junk))
-def test_cai_dicts_through_the_runtime_double(iface, stream, consumer):
+def test_cai_dicts_through_the_runtime_double(cudart, iface, stream, consumer):
     """The CAI path: the double says the fuzzed pointer range is device memory on device 1."""
-    from conftest import _DOUBLE
-
-    _DOUBLE.reset()
-    _DOUBLE.add_region(BASE, BUFFER.nbytes, 2, 1)
+    cudart.reset()
+    cudart.add_region(BASE, BUFFER.nbytes, 2, 1)
     iface = dict(iface, stream=stream)
     try:
         capsule = cai2dlpack(CaiHolder(iface), stream=consumer, max_version=(1, 0))
@@ -121,7 +119,7 @@ def test_cai_dicts_through_the_runtime_double(iface, stream, consumer):
         assert "__cuda_array_interface__" in message or "stream" in message or "read-only" in message, repr(error)
         return
     finally:
-        assert _DOUBLE.current_device == 0
+        assert cudart.current_device == 0
     view = dlpack2cai(capsule, stream=-1)
     out = view.__cuda_array_interface__
     assert out["shape"] == tuple(iface["shape"]) and view.device[0] == 2
