@@ -43,25 +43,41 @@ static int cdl_read_int(PyObject *value, cdl_source source, const char *key, Py_
     return 0;
 }
 
-/* A required entry, borrowed. NULL with ValueError naming the key when it is missing. */
-static PyObject *cdl_required(PyObject *iface, PyObject *key, cdl_source source)
+/* The entries the parser reads, in the order it checks them (so errors come in a fixed order). */
+enum { CDL_VERSION, CDL_SHAPE, CDL_TYPESTR, CDL_DATA, CDL_STRIDES, CDL_STREAM, CDL_MASK, CDL_OFFSET, CDL_ENTRIES };
+
+/* Collects the entries of iface into entries[] (new references; NULL when absent) in one pass over the
+ * dict rather than one lookup per key. Producers' keys are interned string literals, so identity
+ * decides almost always; other strings are compared by value. Runs no Python code. */
+static void cdl_collect_entries(PyObject *iface, PyObject **entries)
 {
-    PyObject *value = PyDict_GetItemWithError(iface, key);
-    if (value == NULL && !PyErr_Occurred())
-        PyErr_Format(PyExc_ValueError, "%s lacks the required key %R", cdl_source_name(source), key);
-    return value;
+    PyObject *const names[CDL_ENTRIES] = {cdl_name.version, cdl_name.shape, cdl_name.typestr, cdl_name.data,
+                                          cdl_name.strides, cdl_name.stream, cdl_name.mask, cdl_name.offset};
+    for (int i = 0; i < CDL_ENTRIES; i++)
+        entries[i] = NULL;
+    Py_ssize_t position = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(iface, &position, &key, &value)) {
+        int i = 0;
+        while (i < CDL_ENTRIES && key != names[i])
+            i++;
+        if (i == CDL_ENTRIES && PyUnicode_CheckExact(key)) {
+            i = 0;
+            while (i < CDL_ENTRIES && PyUnicode_Compare(key, names[i]) != 0)
+                i++;
+        }
+        if (i < CDL_ENTRIES)
+            entries[i] = Py_NewRef(value);
+    }
 }
 
-/* An optional entry, borrowed; NULL when absent (check PyErr_Occurred). unread counts the dict's
- * keys not yet found: once it is 0 every other key is known to be absent, and is not looked up. */
-static PyObject *cdl_optional(PyObject *iface, PyObject *key, Py_ssize_t *unread)
+/* entries[index], or NULL with ValueError naming the missing key. */
+static PyObject *cdl_required(PyObject *const *entries, int index, cdl_source source)
 {
-    if (*unread <= 0)
-        return NULL;
-    PyObject *value = PyDict_GetItemWithError(iface, key);
-    if (value != NULL)
-        (*unread)--;
-    return value;
+    static const char *const keys[] = {"version", "shape", "typestr", "data"};
+    if (entries[index] == NULL)
+        PyErr_Format(PyExc_ValueError, "%s lacks the required key '%s'", cdl_source_name(source), keys[index]);
+    return entries[index];
 }
 
 /* A tuple or list of ints (shape or strides) into values; returns its length or -1. */
@@ -209,39 +225,41 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
                      Py_TYPE(iface)->tp_name);
         return -1;
     }
-    /* The four required keys are found or the call fails: the rest of the dict is what remains. */
-    Py_ssize_t unread = PyDict_GET_SIZE(iface) - 4;
-    PyObject *value = cdl_required(iface, cdl_name.version, source);
+    /* Strong references: reading a buffer object may run Python code that changes the dict. */
+    PyObject *entries[CDL_ENTRIES];
+    cdl_collect_entries(iface, entries);
+    int status = -1;
+
+    PyObject *value = cdl_required(entries, CDL_VERSION, source);
     int64_t version;
     if (value == NULL || cdl_read_int(value, source, "version", -1, 0, 3, &version) < 0)
-        return -1;
+        goto done;
 
-    PyObject *shape = cdl_required(iface, cdl_name.shape, source);
+    PyObject *shape = cdl_required(entries, CDL_SHAPE, source);
     Py_ssize_t ndim = shape ? cdl_read_int_sequence(shape, source, "shape", 0, out->shape) : -1;
     if (ndim < 0)
-        return -1;
+        goto done;
     out->ndim = (int32_t)ndim;
 
-    value = cdl_required(iface, cdl_name.typestr, source);
+    value = cdl_required(entries, CDL_TYPESTR, source);
     if (value == NULL || cdl_parse_typestr(value, cdl_source_name(source), &out->dtype) < 0)
-        return -1;
+        goto done;
     int64_t itemsize = cdl_itemsize(out->dtype);
 
-    /* A strong reference: reading a buffer object may run Python code that changes the dict. */
-    PyObject *data = Py_XNewRef(cdl_required(iface, cdl_name.data, source));
+    PyObject *data = cdl_required(entries, CDL_DATA, source);
     if (data == NULL)
-        return -1;
+        goto done;
 
-    value = cdl_optional(iface, cdl_name.strides, &unread);
+    value = entries[CDL_STRIDES];
     if (value != NULL && value != Py_None) {
         int64_t byte_strides[CDL_MAX_NDIM];
         Py_ssize_t count = cdl_read_int_sequence(value, source, "strides", INT64_MIN, byte_strides);
         if (count < 0)
-            goto fail;
+            goto done;
         if (count != ndim) {
             PyErr_Format(PyExc_ValueError, "%s 'strides' has %zd entries but 'shape' has %zd",
                          cdl_source_name(source), count, ndim);
-            goto fail;
+            goto done;
         }
         for (Py_ssize_t i = 0; i < ndim; i++) {
             if (byte_strides[i] % itemsize != 0) {
@@ -249,13 +267,10 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
                              "%s 'strides'[%zd] is %lld bytes, not a multiple of the itemsize %lld; DLPack "
                              "strides count elements",
                              cdl_source_name(source), i, (long long)byte_strides[i], (long long)itemsize);
-                goto fail;
+                goto done;
             }
             out->strides[i] = byte_strides[i] / itemsize;
         }
-    }
-    else if (value == NULL && PyErr_Occurred()) {
-        goto fail;
     }
     else {
         int64_t stride = 1;
@@ -264,58 +279,52 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
             if (__builtin_mul_overflow(stride, out->shape[i] > 1 ? out->shape[i] : 1, &stride)) {
                 PyErr_Format(PyExc_ValueError, "%s 'shape' %R has more elements than fit in 64 bits",
                              cdl_source_name(source), shape);
-                goto fail;
+                goto done;
             }
         }
     }
 
     out->stream = 0;
-    if (source == CDL_SOURCE_CAI) {
-        value = cdl_optional(iface, cdl_name.stream, &unread);
-        if (value == NULL && PyErr_Occurred())
-            goto fail;
-        if (cdl_parse_stream(value, "__cuda_array_interface__ 'stream'", 0, &out->stream) < 0)
-            goto fail;
-    }
+    if (source == CDL_SOURCE_CAI &&
+        cdl_parse_stream(entries[CDL_STREAM], "__cuda_array_interface__ 'stream'", 0, &out->stream) < 0)
+        goto done;
 
-    value = cdl_optional(iface, cdl_name.mask, &unread);
+    value = entries[CDL_MASK];
     if (value != NULL && value != Py_None) {
         PyErr_Format(PyExc_BufferError, "%s 'mask' is set (%.200s); DLPack has no masked arrays",
                      cdl_source_name(source), Py_TYPE(value)->tp_name);
-        goto fail;
+        goto done;
     }
-    if (value == NULL && PyErr_Occurred())
-        goto fail;
 
     Py_ssize_t buffer_length = -1;
     if (cdl_read_data(data, source, obj, out, keepalive, &buffer_length) < 0)
-        goto fail;
+        goto done;
     int64_t offset = 0;
     if (buffer_length >= 0) {
-        value = cdl_optional(iface, cdl_name.offset, &unread);
-        if ((value == NULL && PyErr_Occurred()) ||
-            (value != NULL && value != Py_None &&
-             cdl_read_int(value, source, "offset", -1, 0, buffer_length, &offset) < 0))
-            goto fail;
+        value = entries[CDL_OFFSET];
+        if (value != NULL && value != Py_None &&
+            cdl_read_int(value, source, "offset", -1, 0, buffer_length, &offset) < 0)
+            goto done;
         out->data = (char *)out->data + offset;
     }
     if (cdl_check_extent(out, source, shape, itemsize, buffer_length, offset) < 0)
-        goto fail;
+        goto done;
 
     if (source == CDL_SOURCE_CAI) {
         if (cdl_device_of_pointer(out->data, &out->device) < 0)
-            goto fail;
+            goto done;
     }
     else {
         out->device.device_type = kDLCPU;
         out->device.device_id = 0;
     }
-    Py_DECREF(data);
-    return 0;
-fail:
-    Py_CLEAR(*keepalive);
-    Py_DECREF(data);
-    return -1;
+    status = 0;
+done:
+    if (status < 0)
+        Py_CLEAR(*keepalive);
+    for (int i = 0; i < CDL_ENTRIES; i++)
+        Py_XDECREF(entries[i]);
+    return status;
 }
 
 int cdl_array_from_object(PyObject *obj, cdl_array *out, PyObject **keepalive)
