@@ -22,6 +22,7 @@ typedef struct {
 static PyObject *cdl_dlpack_kwnames_full;     /* ("stream", "max_version") */
 static PyObject *cdl_dlpack_kwnames_stream;   /* ("stream",) */
 static PyObject *cdl_our_max_version;         /* (DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION) */
+static PyObject *cdl_interface_version;       /* 3, the interface version views export */
 
 /* Runs the producer's deleter, which may run Python code: an exception already set survives it. */
 static void cdl_call_deleter(void *managed, int versioned)
@@ -220,22 +221,25 @@ static void cdl_view_dealloc(cdl_view *self)
     PyObject_Free(self);
 }
 
+/* A new interface dict each access (consumers may keep or change it); the values are the view's cached
+ * objects and the keys interned strings, so building it allocates only the dict. */
 static PyObject *cdl_view_interface(cdl_view *self, int with_stream)
 {
-    PyObject *stream = Py_None;
-    if (with_stream && self->stream != 0 && cdl_option_export_stream) {
-        stream = PyLong_FromLongLong(self->stream);
+    PyObject *stream = NULL;
+    if (with_stream) {
+        stream = self->stream != 0 && cdl_option_export_stream ? PyLong_FromLongLong(self->stream) : Py_NewRef(Py_None);
         if (stream == NULL)
             return NULL;
     }
-    else {
-        Py_INCREF(stream);
-    }
-    PyObject *iface = Py_BuildValue("{sOsOsOsOsi}", "shape", self->shape, "typestr", self->typestr, "data",
-                                    self->data, "strides", self->strides, "version", 3);
-    if (iface != NULL && with_stream && PyDict_SetItem(iface, cdl_name.stream, stream) < 0)
+    PyObject *iface = PyDict_New();
+    if (iface == NULL || PyDict_SetItem(iface, cdl_name.shape, self->shape) < 0 ||
+        PyDict_SetItem(iface, cdl_name.typestr, self->typestr) < 0 ||
+        PyDict_SetItem(iface, cdl_name.data, self->data) < 0 ||
+        PyDict_SetItem(iface, cdl_name.strides, self->strides) < 0 ||
+        PyDict_SetItem(iface, cdl_name.version, cdl_interface_version) < 0 ||
+        (stream != NULL && PyDict_SetItem(iface, cdl_name.stream, stream) < 0))
         Py_CLEAR(iface);
-    Py_DECREF(stream);
+    Py_XDECREF(stream);
     return iface;
 }
 
@@ -373,7 +377,9 @@ int cdl_view_type_init(void)
     cdl_dlpack_kwnames_full = Py_BuildValue("(ss)", "stream", "max_version");
     cdl_dlpack_kwnames_stream = Py_BuildValue("(s)", "stream");
     cdl_our_max_version = Py_BuildValue("(ii)", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
-    if (cdl_dlpack_kwnames_full == NULL || cdl_dlpack_kwnames_stream == NULL || cdl_our_max_version == NULL)
+    cdl_interface_version = PyLong_FromLong(3);
+    if (cdl_dlpack_kwnames_full == NULL || cdl_dlpack_kwnames_stream == NULL || cdl_our_max_version == NULL ||
+        cdl_interface_version == NULL)
         return -1;
     return PyType_Ready(&cdl_view_type);
 }
