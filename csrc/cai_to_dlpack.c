@@ -43,6 +43,32 @@ static int cdl_read_int(PyObject *value, cdl_source source, const char *key, Py_
     return 0;
 }
 
+/* *quotient = value / itemsize when itemsize divides value; returns 0 when it does not. Item sizes are
+ * the table's powers of two, so constant divisors turn each division into shifts. */
+static inline int cdl_divide_exactly(int64_t value, int64_t itemsize, int64_t *quotient)
+{
+    switch (itemsize) {
+    case 1:
+        *quotient = value;
+        return 1;
+    case 2:
+        *quotient = value / 2;
+        return value % 2 == 0;
+    case 4:
+        *quotient = value / 4;
+        return value % 4 == 0;
+    case 8:
+        *quotient = value / 8;
+        return value % 8 == 0;
+    case 16:
+        *quotient = value / 16;
+        return value % 16 == 0;
+    default:
+        *quotient = value / itemsize;
+        return value % itemsize == 0;
+    }
+}
+
 /* The entries the parser reads, in the order it checks them (so errors come in a fixed order). */
 enum { CDL_VERSION, CDL_SHAPE, CDL_TYPESTR, CDL_DATA, CDL_STRIDES, CDL_STREAM, CDL_MASK, CDL_OFFSET, CDL_ENTRIES };
 
@@ -262,14 +288,13 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
             goto done;
         }
         for (Py_ssize_t i = 0; i < ndim; i++) {
-            if (byte_strides[i] % itemsize != 0) {
+            if (!cdl_divide_exactly(byte_strides[i], itemsize, &out->strides[i])) {
                 PyErr_Format(PyExc_ValueError,
                              "%s 'strides'[%zd] is %lld bytes, not a multiple of the itemsize %lld; DLPack "
                              "strides count elements",
                              cdl_source_name(source), i, (long long)byte_strides[i], (long long)itemsize);
                 goto done;
             }
-            out->strides[i] = byte_strides[i] / itemsize;
         }
     }
     else {
