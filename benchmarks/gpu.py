@@ -5,17 +5,8 @@ import time
 import numpy as np
 
 from cai_dlpack import DLPackShim, dlpack2cai
-from cai_dlpack._benchmark import run_groups
+from cai_dlpack._benchmark import SPIN_KERNEL, run_groups
 
-SPIN = r"""
-extern "C" __global__ void spin(long long nanoseconds) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < (unsigned long long)nanoseconds);
-}
-"""
 
 
 def available():
@@ -74,7 +65,7 @@ def host_blocking(milliseconds=100):
     """Host seconds of one conversion while the producer stream is busy, ours vs CuPy's and Numba's consumers."""
     import cupy
 
-    spin = cupy.RawKernel(SPIN, "spin")
+    spin = cupy.RawKernel(SPIN_KERNEL, "spin")
     consumer = cupy.cuda.Stream(non_blocking=True)
 
     class Producer:

@@ -3,6 +3,18 @@ scripts under benchmarks/ (the full run). Every figure is a ratio against a peer
 import statistics
 import timeit
 
+# A CUDA kernel that keeps one stream busy for a given number of nanoseconds (the global timer, so no
+# clock-rate query): the producer in the host-blocking benchmark and in the GPU suite's race test.
+SPIN_KERNEL = r"""
+extern "C" __global__ void spin(long long nanoseconds) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < (unsigned long long)nanoseconds);
+}
+"""
+
 
 def measure(call, repeat=21, target_seconds=0.005):
     """ns per call: median, min and max over repeat samples of many calls each."""

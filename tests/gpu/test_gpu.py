@@ -10,6 +10,7 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 
 import cai_dlpack  # noqa: E402
 from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai  # noqa: E402
+from cai_dlpack._benchmark import SPIN_KERNEL  # noqa: E402
 
 DTYPES = ["?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"]
 TORCH_DTYPES = [d for d in DTYPES if d not in ("u2", "u4", "u8")]
@@ -101,20 +102,11 @@ def test_device_types_of_memory_kinds():
     np.testing.assert_array_equal(np.from_dlpack(DLPackShim(Pinned())), np.arange(16))
 
 
-SPIN = r"""
-extern "C" __global__ void spin(long long nanoseconds) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < (unsigned long long)nanoseconds);
-}
-"""
 
 
 def busy_producer(milliseconds):
     """A stream kept busy for about the given time, then writing ones into x: the data is ready only then."""
-    spin = cupy.RawKernel(SPIN, "spin")
+    spin = cupy.RawKernel(SPIN_KERNEL, "spin")
     producer = cupy.cuda.Stream(non_blocking=True)
     x = cupy.zeros(1 << 20, dtype=cupy.float32)
     cupy.cuda.Device().synchronize()
