@@ -313,7 +313,8 @@ void cdl_array_from_view(PyObject *view, cdl_array *arr)
     for (int32_t i = t->ndim - 1; i >= 0; i--) {
         arr->shape[i] = t->shape[i];
         arr->strides[i] = t->strides ? t->strides[i] : stride;
-        stride *= t->shape[i] > 1 ? t->shape[i] : 1;
+        /* A producer's absurd shape may overflow here; wrap rather than invoke undefined behaviour. */
+        (void)__builtin_mul_overflow(stride, t->shape[i] > 1 ? t->shape[i] : 1, &stride);
     }
 }
 
