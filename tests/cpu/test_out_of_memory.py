@@ -1,0 +1,60 @@
+"""Every allocation the converters make, failed in turn (CPython's _testcapi.set_nomemory): each call either
+succeeds or raises MemoryError, never crashes, and leaves nothing behind."""
+import gc
+import sys
+
+import numpy as np
+import pytest
+
+from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai
+from support.cai_objects import CaiArray, register
+from support.cuda_double import DEVICE
+
+_testcapi = pytest.importorskip("_testcapi", reason="this CPython build has no _testcapi")
+if not hasattr(_testcapi, "set_nomemory"):
+    pytest.skip("this CPython's _testcapi cannot fail allocations", allow_module_level=True)
+
+
+def fail_each_allocation(call, limit=60):
+    """Runs call with the n-th allocation failing, for n = 0, 1, ...; returns how many runs raised."""
+    failures = 0
+    for n in range(limit):
+        _testcapi.set_nomemory(n, n + 1)
+        try:
+            call()
+        except MemoryError:
+            failures += 1
+        finally:
+            _testcapi.remove_mem_hooks()
+    return failures
+
+
+class Holder:
+    def __init__(self, iface):
+        self.__array_interface__ = iface
+
+
+def test_paths_under_allocation_failure(cudart):
+    host = np.arange(24, dtype=np.float32).reshape(4, 6)
+    register(cudart, host, DEVICE, device=1)
+    device = CaiArray(host[:, ::2], stream=0x5000)
+    holder = Holder(dict(host.__array_interface__))
+    buffer_holder = Holder({"shape": (4,), "typestr": "|u1", "data": bytearray(4), "version": 3})
+    view = dlpack2cai(cai2dlpack(holder))
+    before = sys.getrefcount(host), sys.getrefcount(holder), sys.getrefcount(view)
+    paths = [
+        lambda: cai2dlpack(holder, max_version=(1, 0)),
+        lambda: cai2dlpack(buffer_holder),
+        lambda: cai2dlpack(device, stream=0x6000),
+        lambda: dlpack2cai(cai2dlpack(holder)).__array_interface__,
+        lambda: dlpack2cai(cai2dlpack(device), stream=2).__cuda_array_interface__,
+        lambda: view.__dlpack__(max_version=(1, 0)),
+        lambda: np.from_dlpack(DLPackShim(holder)),
+        lambda: DLPackShim(device).__dlpack_device__(),
+    ]
+    raised = [fail_each_allocation(path) for path in paths]
+    gc.collect()
+    assert all(count > 0 for count in raised), raised  # each path met at least one failed allocation
+    assert (sys.getrefcount(host), sys.getrefcount(holder), sys.getrefcount(view)) == before
+    assert cudart.current_device == 0
+    assert np.asarray(dlpack2cai(cai2dlpack(holder))).tolist() == host.tolist()  # and all still works
