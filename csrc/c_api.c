@@ -39,15 +39,23 @@ static PyObject *cdl_stream_for_producer(PyObject *obj, int64_t consumer_stream)
     return host ? Py_NewRef(Py_None) : PyLong_FromLongLong(consumer_stream);
 }
 
+/* The array API's stream rule for C callers: -1, 1, 2 or a handle; 0 and other negatives are refused. */
+static int cdl_check_consumer_stream(int64_t consumer_stream)
+{
+    if (consumer_stream == 0 || consumer_stream < CDL_STREAM_NO_SYNC) {
+        PyErr_Format(PyExc_ValueError, "consumer stream %lld is not a valid stream", (long long)consumer_stream);
+        return -1;
+    }
+    return 0;
+}
+
 /* ---- public C API ------------------------------------------------------------------------------- */
 
 static int cdl_api_to_managed_tensor(PyObject *obj, int64_t consumer_stream, DLManagedTensorVersioned **out)
 {
     *out = NULL;
-    if (consumer_stream == 0 || consumer_stream < CDL_STREAM_NO_SYNC) {
-        PyErr_Format(PyExc_ValueError, "consumer stream %lld is not a valid stream", (long long)consumer_stream);
+    if (cdl_check_consumer_stream(consumer_stream) < 0)
         return -1;
-    }
     PyObject *view = NULL;
     if (!PyObject_TypeCheck(obj, &cdl_shim_type) && !PyObject_TypeCheck(obj, &cdl_view_type) &&
         PyObject_HasAttr(obj, cdl_name.dlpack)) {
@@ -75,10 +83,8 @@ static int cdl_api_to_managed_tensor(PyObject *obj, int64_t consumer_stream, DLM
 static int cdl_api_fill_tensor(PyObject *obj, int64_t consumer_stream, DLTensor *out, int64_t *shape,
                                int64_t *strides, int capacity, int *read_only)
 {
-    if (consumer_stream == 0 || consumer_stream < CDL_STREAM_NO_SYNC) {
-        PyErr_Format(PyExc_ValueError, "consumer stream %lld is not a valid stream", (long long)consumer_stream);
+    if (cdl_check_consumer_stream(consumer_stream) < 0)
         return -1;
-    }
     cdl_array arr;
     PyObject *owner, *keepalive;
     if (cdl_array_of(obj, &arr, &owner, &keepalive) < 0)
