@@ -60,6 +60,9 @@ extern int cdl_option_export_stream;   /* 0: producers export "stream": None */
 /* dtype.c ---------------------------------------------------------------------------------------- */
 /* Returns 0 with *out filled, or -1 with ValueError/TypeError naming where (the interface) and the typestr. */
 int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out);
+/* The table's type for a typestr kind character and an item size in bytes: 0, or -1 (no exception set)
+ * when there is none. */
+int cdl_dtype_from_kind(char kind, Py_ssize_t itemsize, DLDataType *out);
 /* Returns a new reference to the typestr of dtype, or NULL with BufferError naming code/bits/lanes. */
 PyObject *cdl_typestr_from_dtype(DLDataType dtype);
 /* Bytes per element of a dtype the table knows. */

@@ -47,6 +47,20 @@ int cdl_dtype_init(void)
     return 0;
 }
 
+int cdl_dtype_from_kind(char kind, Py_ssize_t itemsize, DLDataType *out)
+{
+    for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
+        const cdl_dtype_entry *entry = &cdl_dtype_table[i];
+        if (entry->kind == kind && entry->itemsize == itemsize) {
+            out->code = entry->code;
+            out->bits = entry->bits;
+            out->lanes = 1;
+            return 0;
+        }
+    }
+    return -1;
+}
+
 int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
 {
     if (!PyUnicode_Check(typestr)) {
@@ -73,15 +87,8 @@ int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
             goto unsupported;
         itemsize = itemsize * 10 + (text[i] - '0');
     }
-    for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
-        const cdl_dtype_entry *entry = &cdl_dtype_table[i];
-        if (entry->kind == text[1] && entry->itemsize == itemsize) {
-            out->code = entry->code;
-            out->bits = entry->bits;
-            out->lanes = 1;
-            return 0;
-        }
-    }
+    if (cdl_dtype_from_kind(text[1], itemsize, out) == 0)
+        return 0;
 unsupported:
     PyErr_Format(PyExc_ValueError,
                  "%s 'typestr' %R has no DLPack equivalent (supported: b1, i1-i8, u1-u8, f2-f8, c8, c16)", where,

@@ -44,6 +44,7 @@ def test_paths_under_allocation_failure(cudart):
     before = sys.getrefcount(host), sys.getrefcount(holder), sys.getrefcount(view)
     paths = [
         lambda: cai2dlpack(holder, max_version=(1, 0)),
+        lambda: cai2dlpack(host, max_version=(1, 0)),  # NumPy's buffer
         lambda: cai2dlpack(buffer_holder),
         lambda: cai2dlpack(device, stream=0x6000),
         lambda: dlpack2cai(cai2dlpack(holder)).__array_interface__,

@@ -1,0 +1,97 @@
+"""NumPy arrays are read through the buffer protocol (their type implements __array_interface__ in C and
+exports a buffer); everything the buffer cannot say goes through __array_interface__. Both readings must
+give the same tensor, and the same errors."""
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai
+from support.dlpack_ctypes import read_capsule
+from test_host_peers import DTYPES, layouts
+
+
+class InterfaceOnly:
+    """The same array seen through its __array_interface__ dict alone (no buffer)."""
+
+    def __init__(self, array):
+        self.array = array
+        self.__array_interface__ = array.__array_interface__
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ["l", "q", "L", "Q", "intc", "uintc"])
+@pytest.mark.parametrize("layout", ["c_order", "f_order", "sliced", "negative", "broadcast", "zero_d",
+                                    "zero_size", "one_d"])
+@pytest.mark.parametrize("max_version", [None, (1, 0)])
+def test_buffer_and_interface_give_the_same_tensor(dtype, layout, max_version):
+    array = layouts(dtype if len(dtype) <= 3 else np.dtype(dtype).str[1:])[layout]
+    if dtype in ("l", "q", "L", "Q", "intc", "uintc"):
+        array = array.astype(dtype)  # the buffer formats 'l', 'q', 'L', 'Q', 'i', 'I'
+    if max_version is None and not array.flags.writeable:  # no legacy capsule can say read-only
+        for obj in (array, InterfaceOnly(array)):
+            with pytest.raises(BufferError, match="the array is read-only"):
+                cai2dlpack(obj)
+        return
+    through_buffer = read_capsule(cai2dlpack(array, max_version=max_version))
+    through_interface = read_capsule(cai2dlpack(InterfaceOnly(array), max_version=max_version))
+    assert through_buffer == through_interface
+    assert through_buffer["data"] == array.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("array", [
+    np.array([1.5, 2.5], dtype="e"),
+    np.array([1 + 2j], dtype="c8"),
+    np.array([True, False]),
+    np.broadcast_to(np.float32(3), (4, 4)),
+], ids=["f2", "c8", "bool", "read_only_broadcast"])
+def test_read_only_flag_and_values_come_through(array):
+    capsule_fields = read_capsule(cai2dlpack(array, max_version=(1, 0)))
+    assert bool(capsule_fields["flags"] & 1) == (not array.flags.writeable)
+    assert np.from_dlpack(DLPackShim(array)).tolist() == array.tolist()
+
+
+@pytest.mark.parametrize("array, message", [
+    (np.zeros(3, "M8[ns]"), "'typestr' '<M8[ns]' has no DLPack equivalent"),  # NumPy exports no buffer
+    (np.zeros(3, ">f4"), "'typestr' '>f4' has non-native byte order"),  # buffer format '>f'
+    (np.zeros(3, [("a", "<f4"), ("b", "u1")])["a"], "'strides'[0] is 5 bytes, not a multiple"),
+    (np.zeros(3, "V8"), "'typestr' '|V8' has no DLPack equivalent"),  # format '8x'
+    (np.zeros(3, [("a", "<f4")]), "'typestr' '|V4' has no DLPack equivalent"),  # format 'T{<f:a:}'
+    (np.zeros(3, "O"), "'typestr' '|O' has no DLPack equivalent"),
+    (np.zeros(3, "S4"), "'typestr' '|S4' has no DLPack equivalent"),  # format '4s'
+])
+def test_what_the_buffer_cannot_say_gets_the_interface_error(array, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cai2dlpack(array)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DLPackShim(array).__dlpack__()
+
+
+class OverridingInterface(np.ndarray):
+    """A subclass whose Python-level __array_interface__ describes the first row only: it must win."""
+
+    @property
+    def __array_interface__(self):
+        row = np.ndarray.__getitem__(self, 0)
+        return np.ndarray.__array_interface__.__get__(row)
+
+
+def test_python_level_interface_is_honoured():
+    base = np.arange(12, dtype=np.float32).reshape(3, 4)
+    array = base.view(OverridingInterface)
+    fields = read_capsule(cai2dlpack(array))
+    assert fields["shape"] == (4,)
+    assert np.asarray(dlpack2cai(cai2dlpack(array))).tolist() == [0, 1, 2, 3]
+
+
+def test_capsule_holds_the_buffer_until_it_dies():
+    array = np.arange(6, dtype=np.int32)
+    before = sys.getrefcount(array)
+    capsule = cai2dlpack(array)
+    assert sys.getrefcount(array) > before
+    with pytest.raises(ValueError, match="resize"):
+        array.resize(12)  # the capsule keeps references: NumPy refuses to move the memory
+    del capsule
+    assert sys.getrefcount(array) == before
+    array.resize(12)
+    assert array.shape == (12,)
