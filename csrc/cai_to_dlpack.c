@@ -19,10 +19,34 @@ static void cdl_entry_label(char *label, size_t size, cdl_source source, const c
         PyOS_snprintf(label, size, "%s '%s'", cdl_source_name(source), key);
 }
 
-/* Reads a non-bool int in [low, high]; messages name the interface, key and index. Returns 0 or -1. */
-static int cdl_read_int(PyObject *value, cdl_source source, const char *key, Py_ssize_t index, int64_t low,
-                        int64_t high, int64_t *out)
+/* The value of an exact int that fits one digit (almost every shape and stride) without a call into
+ * the runtime: 1 with *out set, else 0. */
+static inline int cdl_compact_int(PyObject *value, int64_t *out)
 {
+    if (!PyLong_CheckExact(value))
+        return 0;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)value))
+        return 0;
+    *out = PyUnstable_Long_CompactValue((PyLongObject *)value);
+#else
+    Py_ssize_t size = Py_SIZE(value);
+    if (size < -1 || size > 1)
+        return 0;
+    *out = size * (int64_t)((PyLongObject *)value)->ob_digit[0]; /* ob_digit[0] exists even for 0 */
+#endif
+    return 1;
+}
+
+/* Reads a non-bool int in [low, high]; messages name the interface, key and index. Returns 0 or -1. */
+static inline int cdl_read_int(PyObject *value, cdl_source source, const char *key, Py_ssize_t index,
+                               int64_t low, int64_t high, int64_t *out)
+{
+    int64_t compact;
+    if (cdl_compact_int(value, &compact) && compact >= low && compact <= high) {
+        *out = compact;
+        return 0;
+    }
     char label[96];
     if (!PyLong_Check(value) || PyBool_Check(value)) {
         cdl_entry_label(label, sizeof(label), source, key, index);
