@@ -93,7 +93,8 @@ def main():
     write("cpu", report, lines)
     if gpu.available():
         report = gpu.run()
-        lines = ["## Host time of one conversion while the producer stream is busy for 100 ms", "",
+        lines = [f"GPU: {report['device']}", "",
+                 "## Host time of one conversion while the producer stream is busy for 100 ms", "",
                  "| consumer | host us |", "|---|---:|"]
         lines += [f"| {label} | {us:,.1f} |" for label, us in report["host_blocking_us"].items()]
         write("gpu", report, lines)

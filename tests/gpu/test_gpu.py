@@ -108,7 +108,10 @@ def busy_producer(milliseconds):
     """A stream kept busy for about the given time, then writing ones into x: the data is ready only then."""
     spin = cupy.RawKernel(SPIN_KERNEL, "spin")
     producer = cupy.cuda.Stream(non_blocking=True)
-    x = cupy.zeros(1 << 20, dtype=cupy.float32)
+    # cupy.ones loads CuPy's fill kernel now: loading a module synchronizes with the device, and doing it
+    # while the producer spins would block the host until the spin ends (no race left, host blocked).
+    x = cupy.ones(1 << 20, dtype=cupy.float32)
+    x.fill(0)
     cupy.cuda.Device().synchronize()
     with producer:
         spin((1,), (1,), (np.int64(milliseconds * 1_000_000),))
@@ -125,6 +128,10 @@ def read_on(consumer, capsule_source):
 @pytest.mark.parametrize("sync", [True, False])
 def test_race_is_prevented_only_by_ordering(sync):
     consumer = cupy.cuda.Stream(non_blocking=True)
+    # Load torch's sum kernel and cache memory for the consumer stream first: a module load or a cudaMalloc
+    # during the spin can serialize the streams, which would hide the race this test shows.
+    read_on(consumer, DLPackShim(cupy.zeros(1 << 20, dtype=cupy.float32)))
+    torch.cuda.synchronize()
     x, producer = busy_producer(200)
     try:
         cai_dlpack.options(sync=sync)
