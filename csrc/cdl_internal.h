@@ -63,6 +63,8 @@ int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out);
 /* The table's type for a typestr kind character and an item size in bytes: 0, or -1 (no exception set)
  * when there is none. */
 int cdl_dtype_from_kind(char kind, Py_ssize_t itemsize, DLDataType *out);
+/* The buffer-protocol format of dtype (native order and sizes), or NULL when the table has none. */
+const char *cdl_format_from_dtype(DLDataType dtype);
 /* Returns a new reference to the typestr of dtype, or NULL with BufferError naming code/bits/lanes. */
 PyObject *cdl_typestr_from_dtype(DLDataType dtype);
 /* Bytes per element of a dtype the table knows. */

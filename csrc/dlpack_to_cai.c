@@ -15,6 +15,7 @@ typedef struct {
     PyObject *strides;      /* tuple of byte strides, or None for C-contiguous */
     PyObject *typestr;
     PyObject *data;         /* (pointer, read_only) with byte_offset folded in; 0 when empty */
+    Py_ssize_t *buffer_dims; /* shape, then byte strides, for the buffer protocol; made on first export */
     PyObject *weakreflist;
 } cdl_view;
 
@@ -143,6 +144,7 @@ PyObject *cdl_view_new(void *managed, int versioned, int64_t stream)
     view->read_only = read_only;
     view->stream = stream == CDL_STREAM_NO_SYNC ? 0 : stream;
     view->shape = view->strides = view->typestr = view->data = NULL;
+    view->buffer_dims = NULL;
     view->weakreflist = NULL;
     if (cdl_view_describe(view) < 0) {
         Py_DECREF(view); /* dealloc runs the deleter */
@@ -217,6 +219,7 @@ static void cdl_view_dealloc(cdl_view *self)
     Py_XDECREF(self->strides);
     Py_XDECREF(self->typestr);
     Py_XDECREF(self->data);
+    PyMem_Free(self->buffer_dims);
     cdl_call_deleter(self->managed, self->versioned);
     PyObject_Free(self);
 }
@@ -266,6 +269,83 @@ static PyObject *cdl_view_get_array_interface(cdl_view *self, void *closure)
     }
     return cdl_view_interface(self, 0);
 }
+
+/* The buffer protocol for host-accessible tensors (where __array_interface__ is offered too): NumPy,
+ * memoryview and every buffer consumer read the tensor without a dict. The export holds the view,
+ * and with it the tensor, until it is released. */
+static int cdl_view_getbuffer(cdl_view *self, Py_buffer *buffer, int flags)
+{
+    const DLTensor *t = self->tensor;
+    buffer->obj = NULL;
+    if (!cdl_host_accessible(t->device.device_type)) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPackView of device memory (DLPack device type %d) has no host buffer; use "
+                     "__cuda_array_interface__ or __dlpack__",
+                     (int)t->device.device_type);
+        return -1;
+    }
+    if ((flags & PyBUF_WRITABLE) == PyBUF_WRITABLE && self->read_only) {
+        PyErr_SetString(PyExc_BufferError, "DLPackView is read-only (the producer flagged the tensor read-only)");
+        return -1;
+    }
+    int64_t itemsize = cdl_itemsize(t->dtype);
+    if (self->buffer_dims == NULL && t->ndim > 0) {
+        Py_ssize_t *dims = PyMem_Malloc(2 * (size_t)t->ndim * sizeof(Py_ssize_t));
+        if (dims == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        int64_t stride = itemsize;
+        for (int32_t i = t->ndim - 1; i >= 0; i--) {
+            dims[i] = (Py_ssize_t)t->shape[i];
+            /* Byte strides fit: cdl_view_describe checked them. */
+            dims[t->ndim + i] = t->strides ? (Py_ssize_t)(t->strides[i] * itemsize) : (Py_ssize_t)stride;
+            (void)__builtin_mul_overflow(stride, t->shape[i] > 1 ? t->shape[i] : 1, &stride);
+        }
+        self->buffer_dims = dims;
+    }
+    int64_t length = itemsize;
+    for (int32_t i = 0; i < t->ndim; i++) {
+        if (__builtin_mul_overflow(length, t->shape[i], &length) || length > PY_SSIZE_T_MAX) {
+            PyErr_Format(PyExc_BufferError, "DLPackView shape %R has more bytes than a buffer can hold",
+                         self->shape);
+            return -1;
+        }
+    }
+    buffer->buf = (char *)t->data + t->byte_offset;
+    buffer->len = (Py_ssize_t)length;
+    buffer->readonly = self->read_only;
+    buffer->itemsize = (Py_ssize_t)itemsize;
+    buffer->format = (flags & PyBUF_FORMAT) == PyBUF_FORMAT ? (char *)cdl_format_from_dtype(t->dtype) : NULL;
+    buffer->ndim = (int)t->ndim;
+    buffer->shape = (flags & PyBUF_ND) == PyBUF_ND ? self->buffer_dims : NULL;
+    buffer->strides = (flags & PyBUF_STRIDES) == PyBUF_STRIDES && t->ndim > 0 ? self->buffer_dims + t->ndim : NULL;
+    buffer->suboffsets = NULL;
+    buffer->internal = NULL;
+    /* A consumer that takes no strides (or no shape) needs C-contiguous memory; the contiguity
+     * requests ask for the layout they name. */
+    Py_buffer strided = *buffer;
+    strided.shape = self->buffer_dims;
+    strided.strides = t->ndim > 0 ? self->buffer_dims + t->ndim : NULL;
+    char order = 0;
+    if ((flags & PyBUF_C_CONTIGUOUS) == PyBUF_C_CONTIGUOUS || (flags & PyBUF_STRIDES) != PyBUF_STRIDES)
+        order = 'C';
+    else if ((flags & PyBUF_F_CONTIGUOUS) == PyBUF_F_CONTIGUOUS)
+        order = 'F';
+    else if ((flags & PyBUF_ANY_CONTIGUOUS) == PyBUF_ANY_CONTIGUOUS)
+        order = 'A';
+    if (order != 0 && t->ndim > 0 && !PyBuffer_IsContiguous(&strided, order)) {
+        PyErr_Format(PyExc_BufferError, "DLPackView is not %s-contiguous, which the buffer consumer asked for",
+                     order == 'C' ? "C" : order == 'F' ? "Fortran" : "C- or Fortran");
+        return -1;
+    }
+    if ((flags & PyBUF_ND) != PyBUF_ND)
+        buffer->ndim = 1; /* a plain run of bytes */
+    buffer->obj = Py_NewRef(self);
+    return 0;
+}
+
+static PyBufferProcs cdl_view_as_buffer = {.bf_getbuffer = (getbufferproc)cdl_view_getbuffer};
 
 static PyObject *cdl_view_get_shape(cdl_view *self, void *closure)
 {
@@ -371,6 +451,7 @@ PyTypeObject cdl_view_type = {
     .tp_weaklistoffset = offsetof(cdl_view, weakreflist),
     .tp_methods = cdl_view_methods,
     .tp_getset = cdl_view_getset,
+    .tp_as_buffer = &cdl_view_as_buffer,
 };
 
 int cdl_view_type_init(void)

@@ -8,23 +8,24 @@ typedef struct {
     uint8_t code;       /* DLDataTypeCode */
     uint8_t bits;
     const char *typestr;
+    const char *format; /* buffer protocol (struct module) format, native order and size */
 } cdl_dtype_entry;
 
 static const cdl_dtype_entry cdl_dtype_table[] = {
-    {'b', 1, kDLBool, 8, "|b1"},
-    {'i', 1, kDLInt, 8, "|i1"},
-    {'i', 2, kDLInt, 16, "<i2"},
-    {'i', 4, kDLInt, 32, "<i4"},
-    {'i', 8, kDLInt, 64, "<i8"},
-    {'u', 1, kDLUInt, 8, "|u1"},
-    {'u', 2, kDLUInt, 16, "<u2"},
-    {'u', 4, kDLUInt, 32, "<u4"},
-    {'u', 8, kDLUInt, 64, "<u8"},
-    {'f', 2, kDLFloat, 16, "<f2"},
-    {'f', 4, kDLFloat, 32, "<f4"},
-    {'f', 8, kDLFloat, 64, "<f8"},
-    {'c', 8, kDLComplex, 64, "<c8"},
-    {'c', 16, kDLComplex, 128, "<c16"},
+    {'b', 1, kDLBool, 8, "|b1", "?"},
+    {'i', 1, kDLInt, 8, "|i1", "b"},
+    {'i', 2, kDLInt, 16, "<i2", "h"},
+    {'i', 4, kDLInt, 32, "<i4", "i"},
+    {'i', 8, kDLInt, 64, "<i8", "q"},
+    {'u', 1, kDLUInt, 8, "|u1", "B"},
+    {'u', 2, kDLUInt, 16, "<u2", "H"},
+    {'u', 4, kDLUInt, 32, "<u4", "I"},
+    {'u', 8, kDLUInt, 64, "<u8", "Q"},
+    {'f', 2, kDLFloat, 16, "<f2", "e"},
+    {'f', 4, kDLFloat, 32, "<f4", "f"},
+    {'f', 8, kDLFloat, 64, "<f8", "d"},
+    {'c', 8, kDLComplex, 64, "<c8", "Zf"},
+    {'c', 16, kDLComplex, 128, "<c16", "Zd"},
 };
 #define CDL_DTYPE_COUNT (sizeof(cdl_dtype_table) / sizeof(cdl_dtype_table[0]))
 
@@ -94,6 +95,17 @@ unsupported:
                  "%s 'typestr' %R has no DLPack equivalent (supported: b1, i1-i8, u1-u8, f2-f8, c8, c16)", where,
                  typestr);
     return -1;
+}
+
+const char *cdl_format_from_dtype(DLDataType dtype)
+{
+    if (dtype.lanes == 1) {
+        for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
+            if (cdl_dtype_table[i].code == dtype.code && cdl_dtype_table[i].bits == dtype.bits)
+                return cdl_dtype_table[i].format;
+        }
+    }
+    return NULL;
 }
 
 PyObject *cdl_typestr_from_dtype(DLDataType dtype)

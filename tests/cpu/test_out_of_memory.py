@@ -48,6 +48,7 @@ def test_paths_under_allocation_failure(cudart):
         lambda: cai2dlpack(buffer_holder),
         lambda: cai2dlpack(device, stream=0x6000),
         lambda: dlpack2cai(cai2dlpack(holder)).__array_interface__,
+        lambda: memoryview(dlpack2cai(cai2dlpack(holder))),
         lambda: dlpack2cai(cai2dlpack(device), stream=2).__cuda_array_interface__,
         lambda: view.__dlpack__(max_version=(1, 0)),
         lambda: np.from_dlpack(DLPackShim(holder)),
