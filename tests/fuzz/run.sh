@@ -18,4 +18,4 @@ mkdir -p build/fuzz
   -o build/fuzz/fuzz_interface
 mkdir -p build/fuzz/corpus
 export ASAN_OPTIONS=detect_leaks=0
-exec build/fuzz/fuzz_interface -max_total_time="$seconds" -print_final_stats=1 build/fuzz/corpus tests/fuzz/corpus
+exec build/fuzz/fuzz_interface -artifact_prefix=build/fuzz/ -max_total_time="$seconds" -print_final_stats=1 build/fuzz/corpus tests/fuzz/corpus
