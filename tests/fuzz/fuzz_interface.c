@@ -72,6 +72,36 @@ static PyObject *take_tuple(cdl_input *in, Py_ssize_t length)
 
 static char buffer[1 << 12];
 
+/* The view's buffer export under one of the standard requests: it either fails with an exception or
+ * describes exactly len bytes; the memory itself is not read (the fuzzed pointers are arbitrary). */
+static void exercise_buffer(PyObject *view, uint8_t choice)
+{
+    static const int requests[] = {PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES,
+                                   PyBUF_C_CONTIGUOUS, PyBUF_F_CONTIGUOUS, PyBUF_ANY_CONTIGUOUS, PyBUF_INDIRECT,
+                                   PyBUF_CONTIG, PyBUF_CONTIG_RO, PyBUF_STRIDED, PyBUF_STRIDED_RO, PyBUF_RECORDS,
+                                   PyBUF_RECORDS_RO, PyBUF_FULL, PyBUF_FULL_RO};
+    int flags = requests[choice % (sizeof(requests) / sizeof(requests[0]))];
+    Py_buffer buffer;
+    if (PyObject_GetBuffer(view, &buffer, flags) < 0) {
+        if (!PyErr_Occurred())
+            __builtin_trap();
+        PyErr_Clear();
+        return;
+    }
+    Py_ssize_t length = buffer.itemsize;
+    if (buffer.shape != NULL) {
+        for (int i = 0; i < buffer.ndim; i++)
+            length *= buffer.shape[i];
+    }
+    else {
+        length = buffer.len;
+    }
+    if (length != buffer.len || buffer.obj != view || ((flags & PyBUF_WRITABLE) && buffer.readonly) ||
+        ((flags & PyBUF_STRIDES) != PyBUF_STRIDES && !PyBuffer_IsContiguous(&buffer, 'C')))
+        __builtin_trap();
+    PyBuffer_Release(&buffer);
+}
+
 static void exercise(cdl_input *in)
 {
     uint8_t flags = take_byte(in);
@@ -130,6 +160,8 @@ static void exercise(cdl_input *in)
         PyObject *round_trip = view ? PyObject_GetAttrString(view, "__array_interface__") : NULL;
         if (capsule && view && !round_trip)
             __builtin_trap(); /* a tensor we made must always read back */
+        if (view)
+            exercise_buffer(view, take_byte(in));
         Py_XDECREF(round_trip);
         Py_XDECREF(view);
         Py_XDECREF(capsule);
