@@ -71,7 +71,7 @@ static int cdl_api_to_managed_tensor(PyObject *obj, int64_t consumer_stream, DLM
     PyObject *owner, *keepalive;
     int status = -1;
     if (cdl_array_of(obj, &arr, &owner, &keepalive) == 0 &&
-        (view != NULL || cdl_order_streams(arr.device, arr.stream, consumer_stream) == 0)) {
+        (view != NULL || cdl_order_streams(&arr, consumer_stream) == 0)) {
         *out = cdl_managed_from_array(&arr, owner, keepalive, 1);
         status = *out ? 0 : -1;
     }
@@ -97,7 +97,7 @@ static int cdl_api_fill_tensor(PyObject *obj, int64_t consumer_stream, DLTensor 
                      (int)arr.ndim, capacity);
         return -1;
     }
-    if (cdl_order_streams(arr.device, arr.stream, consumer_stream) < 0)
+    if (cdl_order_streams(&arr, consumer_stream) < 0)
         return -1;
     memcpy(shape, arr.shape, (size_t)arr.ndim * sizeof(int64_t));
     memcpy(strides, arr.strides, (size_t)arr.ndim * sizeof(int64_t));
@@ -143,7 +143,7 @@ static int cdl_exchange_dltensor_from_object(void *py_object, DLTensor *out)
         /* The view's own tensor: borrowed shape and strides, nothing to copy. */
         cdl_array arr;
         cdl_array_from_view(obj, &arr);
-        if (cdl_order_streams(arr.device, arr.stream, CDL_STREAM_LEGACY) < 0)
+        if (cdl_order_streams(&arr, CDL_STREAM_LEGACY) < 0)
             return -1;
         *out = *cdl_view_tensor(obj);
         return 0;

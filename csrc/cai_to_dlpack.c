@@ -691,7 +691,7 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
         return NULL;
     }
     PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, versioned);
-    if (capsule != NULL && cdl_order_streams(arr->device, arr->stream, consumer) < 0)
+    if (capsule != NULL && cdl_order_streams(arr, consumer) < 0)
         Py_CLEAR(capsule);
     return capsule;
 }

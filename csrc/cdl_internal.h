@@ -88,9 +88,10 @@ PyObject *cdl_cuda_runtime_info(PyObject *module, PyObject *unused);
 /* Parses a stream value named what: a consumer's argument (None -> 1, -1, 1, 2 or a handle) when
  * consumer is 1, a CAI 'stream' entry (None -> 0, 1, 2 or a handle) when 0. Returns 0 or -1. */
 int cdl_parse_stream(PyObject *value, const char *what, int consumer, int64_t *out);
-/* Orders the consumer stream after the producer stream on the device, host not blocked.
+/* Orders the consumer stream after arr's producer stream on its device, host not blocked (nothing to do
+ * for an array without elements).
  * Returns 0, or -1 with an exception set; the caller's current device is unchanged either way. */
-int cdl_order_streams(DLDevice device, int64_t producer, int64_t consumer);
+int cdl_order_streams(const cdl_array *arr, int64_t consumer);
 void cdl_stream_options_init(void);
 PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 

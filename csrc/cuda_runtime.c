@@ -184,10 +184,19 @@ int cdl_device_of_pointer(const void *ptr, DLDevice *device)
         device->device_id = current;
         return 0;
     }
-    struct cudaPointerAttributes attributes;
-    cudaError_t status = rt->pointer_get_attributes(&attributes, ptr);
+    /* The struct grew in CUDA 13 (reserved words) and the runtime loaded may be newer than the headers
+     * built against: give it room to spare, zeroed, as the reserved words must be. */
+    union {
+        struct cudaPointerAttributes attributes;
+        unsigned char room[256];
+    } answer;
+    _Static_assert(sizeof(struct cudaPointerAttributes) <= sizeof(answer.room), "cudaPointerAttributes grew");
+    memset(&answer, 0, sizeof(answer));
+    struct cudaPointerAttributes *const attributes_of = &answer.attributes;
+    cudaError_t status = rt->pointer_get_attributes(attributes_of, ptr);
     if (status != cudaSuccess)
         return cdl_raise_cuda_error("cudaPointerGetAttributes", status);
+    const struct cudaPointerAttributes attributes = *attributes_of;
     switch (attributes.type) {
     case cudaMemoryTypeDevice:
         device->device_type = kDLCUDA;

@@ -81,12 +81,20 @@ static int cdl_pooled_event(const cdl_cudart *rt, int device, cudaEvent_t *event
     return 0;
 }
 
-int cdl_order_streams(DLDevice device, int64_t producer, int64_t consumer)
+int cdl_order_streams(const cdl_array *arr, int64_t consumer)
 {
+    const DLDevice device = arr->device;
+    const int64_t producer = arr->stream;
     if (!cdl_option_sync || producer == 0 || consumer == CDL_STREAM_NO_SYNC || producer == consumer)
         return 0;
     if (device.device_type == kDLCPU)
         return 0;
+    /* No elements, nothing to race on. Producers give such arrays a NULL pointer, so the device is
+     * only a guess (the current one) and may not be the producer stream's: recording there would fail. */
+    for (int32_t i = 0; i < arr->ndim; i++) {
+        if (arr->shape[i] == 0)
+            return 0;
+    }
     const cdl_cudart *rt = cdl_cudart_get();
     if (rt == NULL)
         return -1;

@@ -176,3 +176,19 @@ def test_bad_consumer_streams(cudart, device_array, bad, error):
 def test_bad_producer_streams(cudart, device_array, bad, error):
     with pytest.raises(error, match="__cuda_array_interface__ 'stream'"):
         cai2dlpack(CaiArray(device_array, stream=bad))
+
+
+@pytest.mark.parametrize("consumer", [None, 2, S2])
+def test_zero_size_array_orders_nothing(cudart, consumer):
+    """No elements, nothing to race on; and its NULL pointer names no device, so an event recorded on the
+    guessed (current) device could not be recorded on a producer stream of another device."""
+    cudart.current_device = 1
+    cudart.clear_log()
+    empty = CaiArray(np.zeros((0, 3), dtype=np.float32), stream=S1)
+    capsule = cai2dlpack(empty, stream=consumer, max_version=(1, 0))
+    view = dlpack2cai(DLPackShim(empty), stream=consumer)
+    assert view.shape == (0, 3)
+    assert not any(call.startswith(("cudaEventRecord", "cudaStreamWaitEvent", "cudaSetDevice"))
+                   for call in cudart.log())
+    assert cudart.current_device == 1
+    del capsule

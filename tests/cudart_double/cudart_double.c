@@ -15,12 +15,15 @@ typedef int cudaError_t;
 typedef void *cudaStream_t;
 typedef void *cudaEvent_t;
 
-/* Same layout as the runtime's struct cudaPointerAttributes (CUDA 11 and later). */
+/* Same layout as the runtime's struct cudaPointerAttributes of CUDA 13 (CUDA 11 and 12 lack the
+ * reserved words): the double writes all of it, as the real runtime may, so a caller with too small a
+ * struct is caught by the sanitized suite. */
 struct cudaPointerAttributes {
     int type;
     int device;
     void *devicePointer;
     void *hostPointer;
+    long reserved[8];
 };
 
 enum { SUCCESS = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, INVALID_RESOURCE_HANDLE = 400 };
@@ -115,6 +118,7 @@ API cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *attribute
     note("cudaPointerGetAttributes(%#lx)", (unsigned long)(uintptr_t)pointer);
     int code = injected("cudaPointerGetAttributes");
     if (code == 0) {
+        memset(attributes, 0, sizeof(*attributes));
         attributes->type = 0;
         attributes->device = -2;
         attributes->devicePointer = attributes->hostPointer = NULL;
