@@ -28,6 +28,7 @@ static const char *cdl_resolve_symbols(void *handle, cdl_cudart *table)
     CDL_RESOLVE(set_device, "cudaSetDevice");
     CDL_RESOLVE(get_device_count, "cudaGetDeviceCount");
     CDL_RESOLVE(runtime_get_version, "cudaRuntimeGetVersion");
+    CDL_RESOLVE(driver_get_version, "cudaDriverGetVersion");
     CDL_RESOLVE(event_create_with_flags, "cudaEventCreateWithFlags");
     CDL_RESOLVE(event_destroy, "cudaEventDestroy");
     CDL_RESOLVE(event_record, "cudaEventRecord");
@@ -41,11 +42,14 @@ static const char *cdl_resolve_symbols(void *handle, cdl_cudart *table)
     return NULL;
 }
 
-/* Tries one path; on success fills the table and returns 1. Appends what happened to tried. */
-static int cdl_try_open(const char *path, char *tried, size_t tried_size)
+/* Tries one path; on success fills the table and returns 1. Appends what happened to tried, except
+ * for a probe of what is already loaded (loaded_only) that finds nothing. */
+static int cdl_try_open(const char *path, int loaded_only, char *tried, size_t tried_size)
 {
     size_t used = strlen(tried);
-    void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL | (loaded_only ? RTLD_NOLOAD : 0));
+    if (handle == NULL && loaded_only)
+        return 0;
     if (handle == NULL) {
         /* Only a path (not a bare soname) that exists says more than "not found". */
         const char *why = strchr(path, '/') ? dlerror() : NULL;
@@ -57,6 +61,18 @@ static int cdl_try_open(const char *path, char *tried, size_t tried_size)
     const char *missing = cdl_resolve_symbols(handle, &table);
     if (missing != NULL) {
         snprintf(tried + used, tried_size - used, "%s%s (lacks %s)", used ? ", " : "", path, missing);
+        dlclose(handle);
+        return 0;
+    }
+    /* A runtime newer than the driver answers every call with cudaErrorInsufficientDriver: take an
+     * older runtime instead. A driver version of 0 means no driver; that error comes at first use. */
+    int runtime_version = 0, driver_version = 0;
+    if (table.runtime_get_version(&runtime_version) == cudaSuccess &&
+        table.driver_get_version(&driver_version) == cudaSuccess && driver_version > 0 &&
+        driver_version / 1000 < runtime_version / 1000) {
+        snprintf(tried + used, tried_size - used, "%s%s (runtime %d.%d needs a newer driver than this CUDA %d.%d one)",
+                 used ? ", " : "", path, runtime_version / 1000, runtime_version % 1000 / 10, driver_version / 1000,
+                 driver_version % 1000 / 10);
         dlclose(handle);
         return 0;
     }
@@ -93,7 +109,7 @@ static int cdl_try_wheels(char *tried, size_t tried_size)
         for (size_t j = 0; !found && j < sizeof(wheel_libraries) / sizeof(wheel_libraries[0]); j++) {
             char path[1024];
             snprintf(path, sizeof(path), "%s/%s", folder, wheel_libraries[j]);
-            found = cdl_try_open(path, tried, tried_size);
+            found = cdl_try_open(path, 0, tried, tried_size);
         }
     }
     Py_DECREF(list);
@@ -110,20 +126,24 @@ const cdl_cudart *cdl_cudart_get(void)
     const char *named = getenv("CAI_DLPACK_CUDART");
     if (named != NULL && named[0] != '\0') {
         /* A runtime the user names is the only one tried: a silent fallback would hide the mistake. */
-        if (cdl_try_open(named, tried, sizeof(tried)))
+        if (cdl_try_open(named, 0, tried, sizeof(tried)))
             return &cdl_runtime;
         PyErr_Format(PyExc_RuntimeError, "CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded: %s",
                      tried);
         return NULL;
     }
+    /* First a runtime the process has loaded already (PyTorch's, CuPy's): one runtime instance, one
+     * last-error state, one view of the current device. Then the loader's search, newest first. */
     static const int majors[] = {CDL_CUDART_HEADER_MAJOR, 13, 12};
-    for (size_t i = 0; i < sizeof(majors) / sizeof(majors[0]); i++) {
-        if (i > 0 && majors[i] == CDL_CUDART_HEADER_MAJOR)
-            continue;
-        char soname[64];
-        snprintf(soname, sizeof(soname), "libcudart.so.%d", majors[i]);
-        if (cdl_try_open(soname, tried, sizeof(tried)))
-            return &cdl_runtime;
+    for (int loaded_only = 1; loaded_only >= 0; loaded_only--) {
+        for (size_t i = 0; i < sizeof(majors) / sizeof(majors[0]); i++) {
+            if (i > 0 && majors[i] == CDL_CUDART_HEADER_MAJOR)
+                continue;
+            char soname[64];
+            snprintf(soname, sizeof(soname), "libcudart.so.%d", majors[i]);
+            if (cdl_try_open(soname, loaded_only, tried, sizeof(tried)))
+                return &cdl_runtime;
+        }
     }
     if (cdl_try_wheels(tried, sizeof(tried)))
         return &cdl_runtime;

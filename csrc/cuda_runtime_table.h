@@ -14,6 +14,7 @@ typedef struct cdl_cudart {
     cudaError_t (*set_device)(int);
     cudaError_t (*get_device_count)(int *);
     cudaError_t (*runtime_get_version)(int *);
+    cudaError_t (*driver_get_version)(int *);
     cudaError_t (*event_create_with_flags)(cudaEvent_t *, unsigned int);
     cudaError_t (*event_destroy)(cudaEvent_t);
     cudaError_t (*event_record)(cudaEvent_t, cudaStream_t);

@@ -24,7 +24,7 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def run_probe(hide_wheels=None, **env_changes):
+def run_probe(hide_wheels=None, preload=None, **env_changes):
     env = {k: v for k, v in os.environ.items() if k != "CAI_DLPACK_CUDART"}
     env.update(env_changes)
     if hide_wheels is not None:
@@ -32,7 +32,8 @@ def run_probe(hide_wheels=None, **env_changes):
         (hide_wheels / "nvidia").mkdir()
         (hide_wheels / "nvidia" / "__init__.py").write_text("")
         env["PYTHONPATH"] = str(hide_wheels)
-    result = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    probe = PROBE if preload is None else f"import ctypes; ctypes.CDLL({str(preload)!r})\n" + PROBE
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
@@ -89,3 +90,44 @@ def test_runtime_inside_nvidia_wheels_is_found(tmp_path):
         assert "PATH" in out and "libcudart.so.1" in out, out
         return
     assert out.startswith("ERROR BufferError") and "not memory the CUDA runtime knows" in out
+
+
+def test_runtime_needing_a_newer_driver_is_refused():
+    """A runtime newer than the driver would fail every call (cudaErrorInsufficientDriver): refused at load."""
+    out = run_probe(CAI_DLPACK_CUDART=os.environ["CAI_DLPACK_CUDART"], CUDART_DOUBLE_DRIVER_VERSION="12080")
+    assert out.startswith("ERROR RuntimeError CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded")
+    assert "(runtime 13.0 needs a newer driver than this CUDA 12.8 one)" in out
+
+
+def test_runtime_without_a_driver_still_loads():
+    """No driver at all (version 0) is said by the runtime's own errors at first use, not by the loader."""
+    out = run_probe(CAI_DLPACK_CUDART=os.environ["CAI_DLPACK_CUDART"], CUDART_DOUBLE_DRIVER_VERSION="0")
+    assert out.startswith("ERROR BufferError") and "not memory the CUDA runtime knows" in out
+
+
+def build_with_soname(directory, soname):
+    import shutil
+    import sysconfig
+
+    from support.cuda_double import SOURCE
+
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / soname
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    compiler = compiler if shutil.which(compiler) else "cc"
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-pthread", f"-Wl,-soname,{soname}", SOURCE, "-o",
+                    str(target)], check=True)
+    return target
+
+
+def test_runtime_the_process_already_loaded_is_preferred(tmp_path):
+    """A libcudart.so.12 already in the process (a framework's) wins over a libcudart.so.13 on the search
+    path: one runtime instance, one last-error state, one current device."""
+    loaded = build_with_soname(tmp_path / "framework", "libcudart.so.12")
+    build_with_soname(tmp_path / "on_path", "libcudart.so.13")
+    out = run_probe(preload=loaded, LD_LIBRARY_PATH=str(tmp_path / "on_path"))
+    assert out.startswith("ERROR BufferError"), out
+    assert out.endswith("PATH libcudart.so.12"), out
+    # Without it in the process, the search takes the newest on the path.
+    out = run_probe(LD_LIBRARY_PATH=str(tmp_path / "on_path"))
+    assert out.endswith("PATH libcudart.so.13"), out

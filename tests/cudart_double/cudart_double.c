@@ -177,6 +177,14 @@ API cudaError_t cudaRuntimeGetVersion(int *version)
     return 0;
 }
 
+/* The driver's CUDA version: 13000, or what CUDART_DOUBLE_DRIVER_VERSION says (0: no driver). */
+API cudaError_t cudaDriverGetVersion(int *version)
+{
+    const char *text = getenv("CUDART_DOUBLE_DRIVER_VERSION");
+    *version = text != NULL ? atoi(text) : 13000;
+    return 0;
+}
+
 API cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags)
 {
     pthread_mutex_lock(&lock);
