@@ -239,7 +239,7 @@ static int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned *
             snprintf(message, sizeof(message), "cai_dlpack allocator: cannot allocate %zu host bytes", size);
     }
     else if (type == kDLCUDA || type == kDLCUDAHost || type == kDLCUDAManaged) {
-        const cdl_cudart *rt = cdl_cudart_loaded();
+        const cdl_cudart *rt = cdl_cudart_get_any_thread(); /* a consumer's first call may be this one */
         int previous = -1;
         cudaError_t status = rt ? rt->get_device(&previous) : cudaErrorInitializationError;
         if (status == cudaSuccess && previous != prototype->device.device_id)
@@ -253,7 +253,7 @@ static int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned *
         if (status != cudaSuccess) {
             snprintf(message, sizeof(message), "cai_dlpack allocator: %zu bytes on device (%d, %d): %s", size,
                      (int)type, (int)prototype->device.device_id,
-                     rt ? rt->get_error_name(status) : "no CUDA runtime loaded");
+                     rt ? rt->get_error_name(status) : "no CUDA runtime found");
             if (rt)
                 (void)rt->get_last_error();
             data = NULL;

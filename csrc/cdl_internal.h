@@ -82,6 +82,9 @@ struct cdl_cudart;
 const struct cdl_cudart *cdl_cudart_get(void);
 /* The runtime if it is already loaded, else NULL; touches no Python state (any thread, no GIL). */
 const struct cdl_cudart *cdl_cudart_loaded(void);
+/* The runtime, loaded now if need be (taking the GIL for it); NULL when there is none. Any thread;
+ * sets no exception, and one already pending survives. */
+const struct cdl_cudart *cdl_cudart_get_any_thread(void);
 PyObject *cdl_cuda_runtime_info(PyObject *module, PyObject *unused);
 
 /* stream_sync.c ---------------------------------------------------------------------------------- */

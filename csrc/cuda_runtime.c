@@ -118,6 +118,30 @@ static int cdl_try_wheels(char *tried, size_t tried_size)
 
 const cdl_cudart *cdl_cudart_loaded(void) { return cdl_runtime_loaded ? &cdl_runtime : NULL; }
 
+const cdl_cudart *cdl_cudart_get_any_thread(void)
+{
+    if (cdl_runtime_loaded)
+        return &cdl_runtime;
+    if (!Py_IsInitialized() || cdl_interpreter_finalizing())
+        return NULL;
+    PyGILState_STATE state = PyGILState_Ensure();
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *pending = PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+#endif
+    const cdl_cudart *rt = cdl_cudart_get();
+    PyErr_Clear(); /* the caller reports a missing runtime in its own way */
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(pending);
+#else
+    PyErr_Restore(type, value, traceback);
+#endif
+    PyGILState_Release(state);
+    return rt;
+}
+
 const cdl_cudart *cdl_cudart_get(void)
 {
     if (cdl_runtime_loaded)

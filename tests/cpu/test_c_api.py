@@ -216,3 +216,33 @@ def test_exchange_allocator(cudart, example):
         example.exchange_allocate(DLPackShim, (2, 32), (2,), (2, 0))
     with pytest.raises(RuntimeError, match="bad or overflowing prototype shape"):
         example.exchange_allocate(DLPackShim, (2, 32), (2**62, 2**62), (1, 0))
+
+
+def test_exchange_allocator_is_a_consumers_first_call(cudart, example):
+    """A fresh process whose first call into us is the exchange allocator (TVM-FFI allocating outputs) loads
+    the runtime then; with no runtime at all the allocator reports that, without a pending exception."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    child = textwrap.dedent(f"""
+        import importlib.util
+        from cai_dlpack import DLPackView
+        spec = importlib.util.spec_from_file_location("cai_dlpack_example", {example.__file__!r})
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        try:
+            view = example.exchange_allocate(DLPackView, (2, 32), (5,), (2, 0))
+            print("MADE", view.device, view.shape)
+        except RuntimeError as error:
+            print("REFUSED", error)
+    """)
+    made = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.strip() == "MADE (2, 0) (5,)"
+    missing = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "CAI_DLPACK_CUDART": "/nowhere/libcudart.so"})
+    assert missing.returncode == 0, missing.stderr
+    assert missing.stdout.startswith(
+        "REFUSED RuntimeError: cai_dlpack allocator: 20 bytes on device (2, 0): no CUDA runtime found")
