@@ -25,6 +25,33 @@
 #define cdl_lookup_attribute _PyObject_LookupAttr
 #endif
 
+/* An exception set before code that may clear or replace it (a deleter, a runtime load), put back after. */
+typedef struct {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *raised;
+#else
+    PyObject *type, *value, *traceback;
+#endif
+} cdl_pending_error;
+
+static inline void cdl_error_stash(cdl_pending_error *pending)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    pending->raised = PyErr_GetRaisedException();
+#else
+    PyErr_Fetch(&pending->type, &pending->value, &pending->traceback);
+#endif
+}
+
+static inline void cdl_error_unstash(cdl_pending_error *pending)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(pending->raised);
+#else
+    PyErr_Restore(pending->type, pending->value, pending->traceback);
+#endif
+}
+
 /* One array as both protocols see it. Fields follow DLTensor; strides are in elements and are
  * always explicit. */
 typedef struct {

@@ -125,19 +125,11 @@ const cdl_cudart *cdl_cudart_get_any_thread(void)
     if (!Py_IsInitialized() || cdl_interpreter_finalizing())
         return NULL;
     PyGILState_STATE state = PyGILState_Ensure();
-#if PY_VERSION_HEX >= 0x030C0000
-    PyObject *pending = PyErr_GetRaisedException();
-#else
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-#endif
+    cdl_pending_error pending;
+    cdl_error_stash(&pending);
     const cdl_cudart *rt = cdl_cudart_get();
     PyErr_Clear(); /* the caller reports a missing runtime in its own way */
-#if PY_VERSION_HEX >= 0x030C0000
-    PyErr_SetRaisedException(pending);
-#else
-    PyErr_Restore(type, value, traceback);
-#endif
+    cdl_error_unstash(&pending);
     PyGILState_Release(state);
     return rt;
 }

@@ -28,12 +28,8 @@ static PyObject *cdl_interface_version;       /* 3, the interface version views 
 /* Runs the producer's deleter, which may run Python code: an exception already set survives it. */
 static void cdl_call_deleter(void *managed, int versioned)
 {
-#if PY_VERSION_HEX >= 0x030C0000
-    PyObject *pending = PyErr_GetRaisedException();
-#else
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-#endif
+    cdl_pending_error pending;
+    cdl_error_stash(&pending);
     if (versioned) {
         DLManagedTensorVersioned *m = managed;
         if (m->deleter)
@@ -44,11 +40,7 @@ static void cdl_call_deleter(void *managed, int versioned)
         if (m->deleter)
             m->deleter(m);
     }
-#if PY_VERSION_HEX >= 0x030C0000
-    PyErr_SetRaisedException(pending);
-#else
-    PyErr_Restore(type, value, traceback);
-#endif
+    cdl_error_unstash(&pending);
 }
 
 static int cdl_host_accessible(DLDeviceType type)
