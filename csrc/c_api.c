@@ -278,12 +278,9 @@ static int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned *
     m->dl_tensor.dtype = prototype->dtype;
     m->dl_tensor.shape = made->dims;
     m->dl_tensor.strides = made->dims + ndim;
-    int64_t stride = 1;
-    for (int32_t i = ndim - 1; i >= 0; i--) {
-        made->dims[i] = prototype->shape[i];
-        made->dims[ndim + i] = stride;
-        stride *= prototype->shape[i] > 1 ? prototype->shape[i] : 1;
-    }
+    if (ndim > 0)
+        memcpy(made->dims, prototype->shape, (size_t)ndim * sizeof(int64_t));
+    (void)cdl_contiguous_strides(ndim, made->dims, made->dims + ndim); /* the size check above bounds them */
     *out = m;
     return 0;
 }

@@ -321,16 +321,10 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
             }
         }
     }
-    else {
-        int64_t stride = 1;
-        for (Py_ssize_t i = ndim - 1; i >= 0; i--) {
-            out->strides[i] = stride;
-            if (__builtin_mul_overflow(stride, out->shape[i] > 1 ? out->shape[i] : 1, &stride)) {
-                PyErr_Format(PyExc_ValueError, "%s 'shape' %R has more elements than fit in 64 bits",
-                             cdl_source_name(source), shape);
-                goto done;
-            }
-        }
+    else if (cdl_contiguous_strides(out->ndim, out->shape, out->strides) < 0) {
+        PyErr_Format(PyExc_ValueError, "%s 'shape' %R has more elements than fit in 64 bits",
+                     cdl_source_name(source), shape);
+        goto done;
     }
 
     out->stream = 0;
@@ -439,13 +433,8 @@ static int cdl_array_from_buffer(PyObject *obj, cdl_array *out, PyObject **keepa
                 goto fallback;
         }
     }
-    else {
-        int64_t stride = 1;
-        for (int i = buffer->ndim - 1; i >= 0; i--) {
-            out->strides[i] = stride;
-            if (__builtin_mul_overflow(stride, out->shape[i] > 1 ? out->shape[i] : 1, &stride))
-                goto fallback;
-        }
+    else if (cdl_contiguous_strides(out->ndim, out->shape, out->strides) < 0) {
+        goto fallback;
     }
     out->data = buffer->buf;
     out->read_only = buffer->readonly;

@@ -65,6 +65,19 @@ typedef struct {
     int64_t stream;                  /* producer's CAI stream; 0 means none was given */
 } cdl_array;
 
+/* Element strides of a C-contiguous array of this shape (a dimension of 0 or 1 advances nothing).
+ * Returns 0, or -1 when they overflow 64 bits (the strides then wrap: no undefined behaviour). */
+static inline int cdl_contiguous_strides(int32_t ndim, const int64_t *shape, int64_t *strides)
+{
+    int64_t stride = 1;
+    int overflow = 0;
+    for (int32_t i = ndim - 1; i >= 0; i--) {
+        strides[i] = stride;
+        overflow |= __builtin_mul_overflow(stride, shape[i] > 1 ? shape[i] : 1, &stride);
+    }
+    return overflow ? -1 : 0;
+}
+
 /* Which protocol a dict came from: a CAI dict describes device memory, an array interface
  * (NumPy's __array_interface__) host memory. */
 typedef enum { CDL_SOURCE_CAI, CDL_SOURCE_ARRAY_INTERFACE } cdl_source;

@@ -287,12 +287,13 @@ static int cdl_view_getbuffer(cdl_view *self, Py_buffer *buffer, int flags)
             PyErr_NoMemory();
             return -1;
         }
-        int64_t stride = itemsize;
-        for (int32_t i = t->ndim - 1; i >= 0; i--) {
-            dims[i] = (Py_ssize_t)t->shape[i];
-            /* Byte strides fit: cdl_view_describe checked them. */
-            dims[t->ndim + i] = t->strides ? (Py_ssize_t)(t->strides[i] * itemsize) : (Py_ssize_t)stride;
-            (void)__builtin_mul_overflow(stride, t->shape[i] > 1 ? t->shape[i] : 1, &stride);
+        cdl_array arr;
+        cdl_array_from_view((PyObject *)self, &arr);
+        for (int32_t i = 0; i < t->ndim; i++) {
+            int64_t byte_stride; /* fits for explicit strides (cdl_view_describe checked); an absurd shape wraps */
+            (void)__builtin_mul_overflow(arr.strides[i], itemsize, &byte_stride);
+            dims[i] = (Py_ssize_t)arr.shape[i];
+            dims[t->ndim + i] = (Py_ssize_t)byte_stride;
         }
         self->buffer_dims = dims;
     }
@@ -310,15 +311,13 @@ static int cdl_view_getbuffer(cdl_view *self, Py_buffer *buffer, int flags)
     buffer->itemsize = (Py_ssize_t)itemsize;
     buffer->format = (flags & PyBUF_FORMAT) == PyBUF_FORMAT ? (char *)cdl_format_from_dtype(t->dtype) : NULL;
     buffer->ndim = (int)t->ndim;
-    buffer->shape = (flags & PyBUF_ND) == PyBUF_ND ? self->buffer_dims : NULL;
-    buffer->strides = (flags & PyBUF_STRIDES) == PyBUF_STRIDES && t->ndim > 0 ? self->buffer_dims + t->ndim : NULL;
+    buffer->shape = self->buffer_dims;
+    buffer->strides = t->ndim > 0 ? self->buffer_dims + t->ndim : NULL;
     buffer->suboffsets = NULL;
     buffer->internal = NULL;
     /* A consumer that takes no strides (or no shape) needs C-contiguous memory; the contiguity
-     * requests ask for the layout they name. */
-    Py_buffer strided = *buffer;
-    strided.shape = self->buffer_dims;
-    strided.strides = t->ndim > 0 ? self->buffer_dims + t->ndim : NULL;
+     * requests ask for the layout they name. Checked on the whole description, then trimmed to
+     * what was asked. */
     char order = 0;
     if ((flags & PyBUF_C_CONTIGUOUS) == PyBUF_C_CONTIGUOUS || (flags & PyBUF_STRIDES) != PyBUF_STRIDES)
         order = 'C';
@@ -326,13 +325,17 @@ static int cdl_view_getbuffer(cdl_view *self, Py_buffer *buffer, int flags)
         order = 'F';
     else if ((flags & PyBUF_ANY_CONTIGUOUS) == PyBUF_ANY_CONTIGUOUS)
         order = 'A';
-    if (order != 0 && t->ndim > 0 && !PyBuffer_IsContiguous(&strided, order)) {
+    if (order != 0 && t->ndim > 0 && !PyBuffer_IsContiguous(buffer, order)) {
         PyErr_Format(PyExc_BufferError, "DLPackView is not %s-contiguous, which the buffer consumer asked for",
                      order == 'C' ? "C" : order == 'F' ? "Fortran" : "C- or Fortran");
         return -1;
     }
-    if ((flags & PyBUF_ND) != PyBUF_ND)
+    if ((flags & PyBUF_STRIDES) != PyBUF_STRIDES)
+        buffer->strides = NULL;
+    if ((flags & PyBUF_ND) != PyBUF_ND) {
+        buffer->shape = NULL;
         buffer->ndim = 1; /* a plain run of bytes */
+    }
     buffer->obj = Py_NewRef(self);
     return 0;
 }
@@ -381,13 +384,13 @@ void cdl_array_from_view(PyObject *view, cdl_array *arr)
     arr->device = t->device;
     arr->read_only = self->read_only;
     arr->stream = self->stream;
-    int64_t stride = 1;
-    for (int32_t i = t->ndim - 1; i >= 0; i--) {
+    for (int32_t i = 0; i < t->ndim; i++) {
         arr->shape[i] = t->shape[i];
-        arr->strides[i] = t->strides ? t->strides[i] : stride;
-        /* A producer's absurd shape may overflow here; wrap rather than invoke undefined behaviour. */
-        (void)__builtin_mul_overflow(stride, t->shape[i] > 1 ? t->shape[i] : 1, &stride);
+        if (t->strides)
+            arr->strides[i] = t->strides[i];
     }
+    if (!t->strides)
+        (void)cdl_contiguous_strides(t->ndim, arr->shape, arr->strides); /* an absurd shape wraps */
 }
 
 static PyObject *cdl_view_dlpack(cdl_view *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)

@@ -97,25 +97,29 @@ unsupported:
     return -1;
 }
 
-const char *cdl_format_from_dtype(DLDataType dtype)
+/* The table row of dtype, or -1 when the table has none. */
+static int cdl_row_of_dtype(DLDataType dtype)
 {
     if (dtype.lanes == 1) {
         for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
             if (cdl_dtype_table[i].code == dtype.code && cdl_dtype_table[i].bits == dtype.bits)
-                return cdl_dtype_table[i].format;
+                return (int)i;
         }
     }
-    return NULL;
+    return -1;
+}
+
+const char *cdl_format_from_dtype(DLDataType dtype)
+{
+    int row = cdl_row_of_dtype(dtype);
+    return row < 0 ? NULL : cdl_dtype_table[row].format;
 }
 
 PyObject *cdl_typestr_from_dtype(DLDataType dtype)
 {
-    if (dtype.lanes == 1) {
-        for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
-            if (cdl_dtype_table[i].code == dtype.code && cdl_dtype_table[i].bits == dtype.bits)
-                return Py_NewRef(cdl_typestr_objects[i]);
-        }
-    }
+    int row = cdl_row_of_dtype(dtype);
+    if (row >= 0)
+        return Py_NewRef(cdl_typestr_objects[row]);
     PyErr_Format(PyExc_BufferError,
                  "DLPack dtype (code=%d, bits=%d, lanes=%d) has no array-interface typestr",
                  (int)dtype.code, (int)dtype.bits, (int)dtype.lanes);
