@@ -240,21 +240,29 @@ static int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned *
     }
     else if (type == kDLCUDA || type == kDLCUDAHost || type == kDLCUDAManaged) {
         const cdl_cudart *rt = cdl_cudart_get_any_thread(); /* a consumer's first call may be this one */
-        int previous = -1;
-        cudaError_t status = rt ? rt->get_device(&previous) : cudaErrorInitializationError;
-        if (status == cudaSuccess && previous != prototype->device.device_id)
-            status = rt->set_device(prototype->device.device_id);
-        if (status == cudaSuccess)
+        cdl_device_scope scope;
+        int status = rt ? cdl_device_enter(rt, prototype->device.device_id, &scope) : -1;
+        const char *failed = status ? scope.failed_call : NULL;
+        int in_driver = status ? scope.failed_in_driver : 0;
+        if (status == 0) {
             status = type == kDLCUDA       ? rt->malloc(&data, size)
                      : type == kDLCUDAHost ? rt->malloc_host(&data, size)
                                            : rt->malloc_managed(&data, size, cudaMemAttachGlobal);
-        if (rt && previous >= 0 && previous != prototype->device.device_id)
-            (void)rt->set_device(previous);
-        if (status != cudaSuccess) {
-            snprintf(message, sizeof(message), "cai_dlpack allocator: %zu bytes on device (%d, %d): %s", size,
-                     (int)type, (int)prototype->device.device_id,
-                     rt ? rt->get_error_name(status) : "no CUDA runtime found");
-            if (rt)
+            failed = type == kDLCUDA ? "cudaMalloc" : type == kDLCUDAHost ? "cudaMallocHost" : "cudaMallocManaged";
+            if (status == 0 && cdl_device_leave(rt, &scope) != 0) {
+                /* The memory is made, but the caller's device could not be put back: refuse it. */
+                type == kDLCUDAHost ? rt->free_host(data) : rt->free(data);
+                status = scope.failed_code, failed = scope.failed_call, in_driver = scope.failed_in_driver;
+            }
+            else if (status != 0) {
+                (void)cdl_device_leave(rt, &scope);
+            }
+        }
+        if (status != 0) {
+            snprintf(message, sizeof(message), "cai_dlpack allocator: %zu bytes on device (%d, %d): %s%s%s", size,
+                     (int)type, (int)prototype->device.device_id, rt ? failed : "",
+                     rt ? " failed: " : "", rt ? cdl_error_name(rt, status, in_driver) : "no CUDA runtime found");
+            if (rt && !in_driver)
                 (void)rt->get_last_error();
             data = NULL;
         }

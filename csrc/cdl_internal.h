@@ -15,6 +15,7 @@
  * legacy default stream, which is 1 (cudaStreamLegacy). */
 #define CDL_STREAM_NO_SYNC (-1)
 #define CDL_STREAM_LEGACY 1
+#define CDL_STREAM_PER_THREAD 2
 
 #if PY_VERSION_HEX >= 0x030D0000
 #define cdl_interpreter_finalizing() Py_IsFinalizing()

@@ -42,6 +42,41 @@ static const char *cdl_resolve_symbols(void *handle, cdl_cudart *table)
     return NULL;
 }
 
+/* The entry points newer runtimes and drivers have, NULL where they lack them: cudaStreamGetDevice
+ * (runtime 12.8), and the driver's context and error-name calls through the runtime's entry-point
+ * query (cudaGetDriverEntryPointByVersion since 12.5, cudaGetDriverEntryPoint before; both answer
+ * NULL for a symbol the driver lacks, and an error without a driver). */
+static void cdl_resolve_optional(void *handle, cdl_cudart *table)
+{
+    typedef cudaError_t (*by_version_fn)(const char *, void **, unsigned int, unsigned long long, int *);
+    typedef cudaError_t (*unversioned_fn)(const char *, void **, unsigned long long, int *);
+    *(void **)&table->stream_get_device = dlsym(handle, "cudaStreamGetDevice");
+    by_version_fn by_version;
+    unversioned_fn unversioned;
+    *(void **)&by_version = dlsym(handle, "cudaGetDriverEntryPointByVersion");
+    *(void **)&unversioned = dlsym(handle, "cudaGetDriverEntryPoint");
+    struct {
+        void **slot;
+        const char *symbol;
+    } wanted[] = {
+        {(void **)&table->cu_ctx_get_current, "cuCtxGetCurrent"},
+        {(void **)&table->cu_ctx_set_current, "cuCtxSetCurrent"},
+        {(void **)&table->cu_get_error_name, "cuGetErrorName"},
+        {(void **)&table->cu_get_error_string, "cuGetErrorString"},
+    };
+    for (size_t i = 0; i < sizeof(wanted) / sizeof(wanted[0]); i++) {
+        void *function = NULL;
+        int found = 0;
+        cudaError_t status = by_version   ? by_version(wanted[i].symbol, &function, 12000, 0, &found)
+                             : unversioned ? unversioned(wanted[i].symbol, &function, 0, &found)
+                                           : cudaErrorNotSupported;
+        *wanted[i].slot = status == cudaSuccess && found == 0 /* cudaDriverEntryPointSuccess */ && function ? function : NULL;
+    }
+    if (table->cu_ctx_get_current == NULL || table->cu_ctx_set_current == NULL)
+        table->cu_ctx_get_current = NULL, table->cu_ctx_set_current = NULL;
+    (void)table->get_last_error(); /* an entry-point query that failed must not leave an error behind */
+}
+
 /* Tries one path; on success fills the table and returns 1. Appends what happened to tried, except
  * for a probe of what is already loaded (loaded_only) that finds nothing. */
 static int cdl_try_open(const char *path, int loaded_only, char *tried, size_t tried_size)
@@ -76,6 +111,7 @@ static int cdl_try_open(const char *path, int loaded_only, char *tried, size_t t
         dlclose(handle);
         return 0;
     }
+    cdl_resolve_optional(handle, &table);
     cdl_runtime = table;
     snprintf(cdl_runtime_path, sizeof(cdl_runtime_path), "%s", path);
     cdl_runtime_loaded = 1;
@@ -179,16 +215,22 @@ static int cdl_set_text_attribute(PyObject *error, const char *name, const char 
     return result;
 }
 
-int cdl_raise_cuda_error(const char *call, int code)
+const char *cdl_error_name(const cdl_cudart *rt, int code, int in_driver)
 {
-    const char *name = cdl_runtime.get_error_name ? cdl_runtime.get_error_name((cudaError_t)code) : NULL;
-    const char *text = cdl_runtime.get_error_string ? cdl_runtime.get_error_string((cudaError_t)code) : NULL;
-    /* A failed call leaves the runtime's last error set; clear it so the next framework to check
-     * it does not blame its own kernel. */
-    if (cdl_runtime.get_last_error)
-        (void)cdl_runtime.get_last_error();
-    name = name ? name : "unknown error";
-    text = text ? text : "no description";
+    const char *name = NULL;
+    if (in_driver) {
+        if (rt->cu_get_error_name == NULL || rt->cu_get_error_name(code, &name) != 0)
+            name = NULL;
+    }
+    else if (rt->get_error_name) {
+        name = rt->get_error_name((cudaError_t)code);
+    }
+    return name ? name : "unknown error";
+}
+
+/* CudaError(message) with attributes code, call and name. Returns -1. */
+static int cdl_raise(const char *call, int code, const char *name, const char *text)
+{
     PyObject *message = PyUnicode_FromFormat("%s failed: %s (%s)", call, name, text);
     if (message == NULL)
         return -1;
@@ -203,6 +245,72 @@ int cdl_raise_cuda_error(const char *call, int code)
     Py_XDECREF(code_value);
     Py_DECREF(error);
     return -1;
+}
+
+int cdl_raise_cuda_error(const char *call, int code)
+{
+    const char *name = cdl_error_name(&cdl_runtime, code, 0);
+    const char *text = cdl_runtime.get_error_string ? cdl_runtime.get_error_string((cudaError_t)code) : NULL;
+    /* A failed call leaves the runtime's last error set; clear it so the next framework to check
+     * it does not blame its own kernel. */
+    if (cdl_runtime.get_last_error)
+        (void)cdl_runtime.get_last_error();
+    return cdl_raise(call, code, name, text ? text : "no description");
+}
+
+int cdl_raise_scope_error(const cdl_device_scope *scope)
+{
+    if (!scope->failed_in_driver)
+        return cdl_raise_cuda_error(scope->failed_call, scope->failed_code);
+    const char *text = NULL;
+    if (cdl_runtime.cu_get_error_string == NULL || cdl_runtime.cu_get_error_string(scope->failed_code, &text) != 0)
+        text = NULL;
+    return cdl_raise(scope->failed_call, scope->failed_code, cdl_error_name(&cdl_runtime, scope->failed_code, 1),
+                     text ? text : "no description");
+}
+
+/* ---- the current device, switched and put back ------------------------------------------------- */
+
+static int cdl_scope_failed(cdl_device_scope *scope, const char *call, int code, int in_driver)
+{
+    scope->failed_call = call;
+    scope->failed_code = code;
+    scope->failed_in_driver = in_driver;
+    return code;
+}
+
+int cdl_device_enter(const cdl_cudart *rt, int device, cdl_device_scope *scope)
+{
+    scope->switched = 0;
+    scope->previous_context = NULL;
+    int by_context = rt->cu_ctx_get_current != NULL, code;
+    if (by_context && (code = rt->cu_ctx_get_current(&scope->previous_context)) != 0)
+        return cdl_scope_failed(scope, "cuCtxGetCurrent", code, 1);
+    /* Without a current context cudaGetDevice answers 0 (or the last device set) and creates none. */
+    if ((code = rt->get_device(&scope->previous_device)) != cudaSuccess)
+        return cdl_scope_failed(scope, "cudaGetDevice", code, 0);
+    if (scope->previous_device == device && (!by_context || scope->previous_context != NULL))
+        return 0;
+    if ((code = rt->set_device(device)) != cudaSuccess)
+        return cdl_scope_failed(scope, "cudaSetDevice", code, 0);
+    scope->switched = 1;
+    return 0;
+}
+
+int cdl_device_leave(const cdl_cudart *rt, cdl_device_scope *scope)
+{
+    if (!scope->switched)
+        return 0;
+    scope->switched = 0;
+    int code;
+    if (rt->cu_ctx_set_current != NULL) {
+        if ((code = rt->cu_ctx_set_current(scope->previous_context)) != 0)
+            return cdl_scope_failed(scope, "cuCtxSetCurrent", code, 1);
+    }
+    else if ((code = rt->set_device(scope->previous_device)) != cudaSuccess) {
+        return cdl_scope_failed(scope, "cudaSetDevice", code, 0);
+    }
+    return 0;
 }
 
 int cdl_device_of_pointer(const void *ptr, DLDevice *device)

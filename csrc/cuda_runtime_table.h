@@ -25,6 +25,37 @@ typedef struct cdl_cudart {
     cudaError_t (*malloc_host)(void **, size_t);
     cudaError_t (*free_host)(void *);
     cudaError_t (*malloc_managed)(void **, size_t, unsigned int);
+    /* Optional, NULL where the runtime or the driver lacks them. The runtime's since CUDA 12.8: */
+    cudaError_t (*stream_get_device)(cudaStream_t, int *);
+    /* The driver's, handed out by cudaGetDriverEntryPoint[ByVersion] (no libcuda of our own): the
+     * current context, saved and put back exactly, and the names of its error codes. */
+    int (*cu_ctx_get_current)(void **);
+    int (*cu_ctx_set_current)(void *);
+    int (*cu_get_error_name)(int, const char **);
+    int (*cu_get_error_string)(int, const char **);
 } cdl_cudart;
+
+/* Makes a device current for a few runtime calls, then puts the caller's context back as it was:
+ * through the driver's current context when the runtime hands it out, so a thread that had none
+ * is left with none (cudaSetDevice(previous) would create a primary context, hundreds of MiB, on a
+ * device the thread never used), else through cudaGetDevice/cudaSetDevice. No Python: any thread. */
+typedef struct {
+    int switched;
+    int previous_device;
+    void *previous_context;
+    /* The failed call, when enter or leave returns nonzero: its name, code and API. */
+    const char *failed_call;
+    int failed_code;
+    int failed_in_driver;
+} cdl_device_scope;
+
+/* 0, or nonzero with scope->failed_* set (nothing switched). */
+int cdl_device_enter(const cdl_cudart *rt, int device, cdl_device_scope *scope);
+/* Puts the caller's context back; 0, or nonzero with scope->failed_* set. */
+int cdl_device_leave(const cdl_cudart *rt, cdl_device_scope *scope);
+/* Raises CudaError for the scope's failed call. Returns -1. */
+int cdl_raise_scope_error(const cdl_device_scope *scope);
+/* The name of an error code of the call's API ("cudaError..." or "CUDA_ERROR_..."). */
+const char *cdl_error_name(const cdl_cudart *rt, int code, int in_driver);
 
 #endif

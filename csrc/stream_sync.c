@@ -98,20 +98,23 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
     const cdl_cudart *rt = cdl_cudart_get();
     if (rt == NULL)
         return -1;
-    int previous;
-    cudaError_t status = rt->get_device(&previous);
-    if (status != cudaSuccess)
-        return cdl_raise_cuda_error("cudaGetDevice", status);
-    if (previous != device.device_id) {
-        status = rt->set_device(device.device_id);
+    /* The event goes on the producer stream's device. For device memory that is the data's device;
+     * pinned and managed memory may be used from any device, so a stream handle is asked for its own
+     * (where the runtime can say) and the legacy and per-thread handles keep the allocation's. */
+    int event_device = device.device_id;
+    if (device.device_type != kDLCUDA && producer > CDL_STREAM_PER_THREAD && rt->stream_get_device != NULL) {
+        cudaError_t status = rt->stream_get_device((cudaStream_t)(uintptr_t)producer, &event_device);
         if (status != cudaSuccess)
-            return cdl_raise_cuda_error("cudaSetDevice", status);
+            return cdl_raise_cuda_error("cudaStreamGetDevice", status);
     }
+    cdl_device_scope scope;
+    if (cdl_device_enter(rt, event_device, &scope) != 0)
+        return cdl_raise_scope_error(&scope);
     int result = -1;
     cudaEvent_t event = NULL;
-    if (cdl_pooled_event(rt, device.device_id, &event) < 0)
+    if (cdl_pooled_event(rt, event_device, &event) < 0)
         goto done;
-    status = rt->event_record(event, (cudaStream_t)(uintptr_t)producer);
+    cudaError_t status = rt->event_record(event, (cudaStream_t)(uintptr_t)producer);
     if (status != cudaSuccess) {
         cdl_raise_cuda_error("cudaEventRecord", status);
         goto done;
@@ -123,11 +126,8 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
     }
     result = 0;
 done:
-    if (previous != device.device_id) {
-        status = rt->set_device(previous);
-        if (status != cudaSuccess && result == 0)
-            result = cdl_raise_cuda_error("cudaSetDevice", status);
-    }
+    if (cdl_device_leave(rt, &scope) != 0 && result == 0)
+        result = cdl_raise_scope_error(&scope);
     return result;
 }
 

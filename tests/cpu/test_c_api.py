@@ -212,10 +212,28 @@ def test_exchange_allocator(cudart, example):
     with pytest.raises(RuntimeError, match="device type 10 is not supported"):
         example.exchange_allocate(DLPackShim, (2, 32), (2,), (10, 0))
     cudart.fail("cudaMalloc", 2)
-    with pytest.raises(RuntimeError, match="cudaErrorMemoryAllocation"):
+    with pytest.raises(RuntimeError, match="cudaMalloc failed: cudaErrorMemoryAllocation"):
         example.exchange_allocate(DLPackShim, (2, 32), (2,), (2, 0))
+    assert cudart.last_error == 0
     with pytest.raises(RuntimeError, match="bad or overflowing prototype shape"):
         example.exchange_allocate(DLPackShim, (2, 32), (2**62, 2**62), (1, 0))
+
+
+def test_exchange_allocator_puts_the_callers_context_back(cudart, example):
+    """Allocating on device 3 for a thread with no context leaves it with none, and no context on device 0."""
+    cudart.drop_context(0)
+    view = example.exchange_allocate(DLPackView, (2, 32), (4,), (2, 3))
+    assert view.device == (2, 3)
+    assert cudart.context_device == -1 and cudart.primary_contexts == {3}
+    assert [line for line in cudart.log() if line.startswith(("cuCtx", "cudaSetDevice", "cudaMalloc("))] == [
+        "cuCtxGetCurrent() -> NULL", "cudaSetDevice(3)", "cudaMalloc(16) -> ok", "cuCtxSetCurrent(NULL)"]
+    del view
+    # A failed restore refuses the memory it made: freed, and the driver's error named.
+    cudart.current_device = 1
+    cudart.fail("cuCtxSetCurrent", 201)
+    with pytest.raises(RuntimeError, match="cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT"):
+        example.exchange_allocate(DLPackView, (2, 32), (4,), (2, 3))
+    assert cudart.log().count("cudaMalloc(16) -> ok") == 2 and cudart.log().count("cudaFree()") == 2
 
 
 def test_exchange_allocator_is_a_consumers_first_call(cudart, example):

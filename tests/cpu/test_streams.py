@@ -16,21 +16,22 @@ BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchron
 
 
 def ordering_calls(log):
-    """The log without pointer queries: what the conversion did to order streams."""
-    return [line for line in log if not line.startswith("cudaPointerGetAttributes")]
+    """The log without pointer queries and the runtime's load: what the conversion did to order streams."""
+    return [line for line in log if not line.startswith(("cudaPointerGetAttributes", "cudaGetDriverEntryPoint"))]
 
 
 def expected_calls(producer, consumer, data_device, current_device):
-    """The calls an event-ordered conversion must make (the pooled event is already made)."""
+    """The calls an event-ordered conversion must make (the pooled event is already made): the caller's
+    context is saved, the data's device made current if it is not, and the caller's context put back."""
     consumer_stream = 1 if consumer is None else consumer
     if producer is None or consumer_stream == -1 or producer == consumer_stream:
         return []
-    calls = [f"cudaGetDevice() -> {current_device}"]
+    calls = [f"cuCtxGetCurrent() -> ctx{current_device}", f"cudaGetDevice() -> {current_device}"]
     if data_device != current_device:
         calls.append(f"cudaSetDevice({data_device})")
     calls += [f"cudaEventRecord(ev{{}}, {producer})", f"cudaStreamWaitEvent({consumer_stream}, ev{{}}, 0)"]
     if data_device != current_device:
-        calls.append(f"cudaSetDevice({current_device})")
+        calls.append(f"cuCtxSetCurrent(ctx{current_device})")
     return calls
 
 
@@ -95,12 +96,13 @@ def test_same_device_needs_no_device_switch(cudart):
 
 def test_events_are_pooled(cudart):
     host = np.zeros(4)
-    register(cudart, host, MANAGED, device=1)
+    register(cudart, host, DEVICE, device=1)
     before = cudart.events_created
     for i in range(500):
         cai2dlpack(CaiArray(host, stream=S1 + (i % 7)), stream=S2)
     assert cudart.events_created - before <= 1
     assert cudart.log().count("cudaSetDevice(1)") == 500
+    assert cudart.log().count("cuCtxSetCurrent(ctx0)") == 500
 
 
 def test_event_made_on_data_device_without_timing(cudart):
@@ -114,7 +116,8 @@ def test_event_made_on_data_device_without_timing(cudart):
         assert "cudaSetDevice(3)" in log[: creations[0]]
 
 
-@pytest.mark.parametrize("failing", ["cudaEventRecord", "cudaStreamWaitEvent", "cudaSetDevice", "cudaGetDevice"])
+@pytest.mark.parametrize("failing", ["cudaEventRecord", "cudaStreamWaitEvent", "cudaSetDevice", "cudaGetDevice",
+                                     "cuCtxGetCurrent"])
 def test_cuda_errors_leak_nothing_and_restore_the_device(cudart, failing):
     host = np.zeros(4)
     register(cudart, host, DEVICE, device=2)
@@ -123,10 +126,12 @@ def test_cuda_errors_leak_nothing_and_restore_the_device(cudart, failing):
     events = cudart.events_alive
     references = sys.getrefcount(obj)
     cudart.current_device = 1
-    cudart.fail(failing, 400)
-    with pytest.raises(CudaError, match=f"{failing} failed: cudaErrorInvalidResourceHandle"):
+    code, name = (201, "CUDA_ERROR_INVALID_CONTEXT") if failing.startswith("cuCtx") else (400, "cudaErrorInvalidResourceHandle")
+    cudart.fail(failing, code)
+    with pytest.raises(CudaError, match=f"{failing} failed: {name}") as raised:
         cai2dlpack(obj, stream=S2)
-    assert cudart.current_device == 1
+    assert (raised.value.call, raised.value.code, raised.value.name) == (failing, code, name)
+    assert cudart.current_device == 1 and cudart.context_device == 1
     assert cudart.last_error == 0
     assert cudart.events_alive == events
     assert sys.getrefcount(obj) == references

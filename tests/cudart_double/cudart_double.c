@@ -26,7 +26,7 @@ struct cudaPointerAttributes {
     long reserved[8];
 };
 
-enum { SUCCESS = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, INVALID_RESOURCE_HANDLE = 400 };
+enum { SUCCESS = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, INVALID_RESOURCE_HANDLE = 400, NOT_SUPPORTED = 801 };
 
 #define MAX_REGIONS 64
 #define MAX_EVENTS 4096
@@ -36,6 +36,13 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct { uintptr_t start; size_t size; int type; int device; } regions[MAX_REGIONS];
 static int region_count;
 static int current_device;
+/* The device whose primary context is current (-1: none, as on a thread that never used CUDA), and
+ * the devices whose primary context exists (bit per device). cudaSetDevice makes one and makes it
+ * current, as CUDA 12 does; calls that need a context bind the current device's when none is. */
+static int context_device;
+static unsigned primary_made = 1;
+static struct { uintptr_t handle; int device; } streams[MAX_REGIONS];
+static int stream_count;
 static int device_count = 4;
 static int last_error;
 static char log_text[1 << 18];
@@ -53,6 +60,7 @@ static const struct { int code; const char *name; const char *text; } error_tabl
     {101, "cudaErrorInvalidDevice", "invalid device ordinal"},
     {400, "cudaErrorInvalidResourceHandle", "invalid resource handle"},
     {700, "cudaErrorIllegalAddress", "an illegal memory access was encountered"},
+    {801, "cudaErrorNotSupported", "operation not supported"},
     {999, "cudaErrorUnknown", "unknown error"},
 };
 
@@ -75,7 +83,8 @@ static int injected(const char *name)
         if (failures[i].remaining != 0 && strcmp(failures[i].name, name) == 0) {
             if (failures[i].remaining > 0)
                 failures[i].remaining--;
-            last_error = failures[i].code;
+            if (strncmp(name, "cuda", 4) == 0) /* driver calls leave the runtime's last error alone */
+                last_error = failures[i].code;
             return failures[i].code;
         }
     }
@@ -83,6 +92,16 @@ static int injected(const char *name)
 }
 
 static int event_id(cudaEvent_t event) { return (int)((uintptr_t)event - 0xE000); }
+
+/* A runtime call that needs a context binds the current device's primary context when none is
+ * current (lock held). */
+static void bind_context(void)
+{
+    if (context_device < 0) {
+        context_device = current_device;
+        primary_made |= 1u << current_device;
+    }
+}
 
 /* ---- runtime API ------------------------------------------------------------------------------- */
 
@@ -154,8 +173,10 @@ API cudaError_t cudaSetDevice(int device)
     int code = injected("cudaSetDevice");
     if (code == 0 && (device < 0 || device >= device_count))
         code = last_error = INVALID_DEVICE;
-    if (code == 0)
-        current_device = device;
+    if (code == 0) {
+        current_device = context_device = device;
+        primary_made |= 1u << device;
+    }
     pthread_mutex_unlock(&lock);
     return code;
 }
@@ -189,13 +210,15 @@ API cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags)
 {
     pthread_mutex_lock(&lock);
     int code = injected("cudaEventCreateWithFlags");
+    if (code == 0)
+        bind_context();
     int id = 1;
     while (code == 0 && id < MAX_EVENTS && event_device[id] != 0)
         id++;
     if (code == 0 && id == MAX_EVENTS)
         code = last_error = 2;
     if (code == 0) {
-        event_device[id] = current_device + 1;
+        event_device[id] = context_device + 1;
         events_created++;
         *event = (cudaEvent_t)(uintptr_t)(0xE000 + id);
         note("cudaEventCreateWithFlags(%#x) -> ev%d", flags, id);
@@ -228,8 +251,10 @@ API cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
     int id = event_id(event);
     note("cudaEventRecord(ev%d, %lu)", id, (unsigned long)(uintptr_t)stream);
     int code = injected("cudaEventRecord");
+    if (code == 0)
+        bind_context();
     /* The runtime refuses an event recorded while another device is current. */
-    if (code == 0 && (id <= 0 || id >= MAX_EVENTS || event_device[id] != current_device + 1))
+    if (code == 0 && (id <= 0 || id >= MAX_EVENTS || event_device[id] != context_device + 1))
         code = last_error = INVALID_RESOURCE_HANDLE;
     pthread_mutex_unlock(&lock);
     return code;
@@ -241,6 +266,8 @@ API cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsi
     int id = event_id(event);
     note("cudaStreamWaitEvent(%lu, ev%d, %u)", (unsigned long)(uintptr_t)stream, id, flags);
     int code = injected("cudaStreamWaitEvent");
+    if (code == 0)
+        bind_context();
     if (code == 0 && (id <= 0 || id >= MAX_EVENTS || event_device[id] == 0))
         code = last_error = INVALID_RESOURCE_HANDLE;
     pthread_mutex_unlock(&lock);
@@ -263,6 +290,124 @@ API cudaError_t cudaDeviceSynchronize(void)
     return 0;
 }
 
+#ifndef DOUBLE_CUDA_12_0
+/* The device of a stream the tests registered; the legacy and per-thread handles are the current
+ * device's; any other handle is invalid. (CUDA 12.8.) */
+API cudaError_t cudaStreamGetDevice(cudaStream_t stream, int *device)
+{
+    pthread_mutex_lock(&lock);
+    uintptr_t handle = (uintptr_t)stream;
+    int code = injected("cudaStreamGetDevice"), found = -1;
+    if (code == 0 && (handle == 1 || handle == 2))
+        found = current_device;
+    for (int i = 0; code == 0 && i < stream_count; i++)
+        if (streams[i].handle == handle)
+            found = streams[i].device;
+    if (code == 0 && found < 0)
+        code = last_error = INVALID_RESOURCE_HANDLE;
+    if (code == 0)
+        *device = found;
+    note("cudaStreamGetDevice(%lu) -> %d", (unsigned long)handle, code == 0 ? found : -code);
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+#endif
+
+/* ---- driver API, reached only through the runtime's entry-point query ------------------------ */
+
+typedef void *CUcontext;
+#define CONTEXT_OF(device) ((CUcontext)(uintptr_t)(0xC000 + (device)))
+
+static int cuCtxGetCurrent(CUcontext *context)
+{
+    pthread_mutex_lock(&lock);
+    int code = injected("cuCtxGetCurrent");
+    if (code == 0)
+        *context = context_device < 0 ? NULL : CONTEXT_OF(context_device);
+    if (context_device < 0)
+        note("cuCtxGetCurrent() -> NULL");
+    else
+        note("cuCtxGetCurrent() -> ctx%d", context_device);
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+static int cuCtxSetCurrent(CUcontext context)
+{
+    pthread_mutex_lock(&lock);
+    int device = context == NULL ? -1 : (int)((uintptr_t)context - 0xC000);
+    if (device < 0)
+        note("cuCtxSetCurrent(NULL)");
+    else
+        note("cuCtxSetCurrent(ctx%d)", device);
+    int code = injected("cuCtxSetCurrent");
+    if (code == 0 && device >= device_count)
+        code = 201; /* CUDA_ERROR_INVALID_CONTEXT */
+    if (code == 0) {
+        context_device = device;
+        if (device >= 0)
+            current_device = device;
+    }
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+static int cuGetErrorName(int code, const char **name)
+{
+    *name = code == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : code == 2 ? "CUDA_ERROR_OUT_OF_MEMORY" : NULL;
+    return *name ? 0 : 1;
+}
+
+static int cuGetErrorString(int code, const char **text)
+{
+    *text = code == 201 ? "invalid device context" : code == 2 ? "out of memory" : NULL;
+    return *text ? 0 : 1;
+}
+
+/* The driver functions by name, with cudaDriverEntryPointSuccess (0) or SymbolNotFound (1); with
+ * CUDART_DOUBLE_ENTRY_POINTS=0 the query fails as it does without a driver. */
+static cudaError_t entry_point(const char *symbol, void **function, int *status)
+{
+    const char *allowed = getenv("CUDART_DOUBLE_ENTRY_POINTS");
+    *function = NULL;
+    if (allowed != NULL && strcmp(allowed, "0") == 0)
+        return last_error = NOT_SUPPORTED;
+    if (strcmp(symbol, "cuCtxGetCurrent") == 0)
+        *function = (void *)cuCtxGetCurrent;
+    else if (strcmp(symbol, "cuCtxSetCurrent") == 0)
+        *function = (void *)cuCtxSetCurrent;
+    else if (strcmp(symbol, "cuGetErrorName") == 0)
+        *function = (void *)cuGetErrorName;
+    else if (strcmp(symbol, "cuGetErrorString") == 0)
+        *function = (void *)cuGetErrorString;
+    if (status != NULL)
+        *status = *function ? 0 : 1;
+    return SUCCESS;
+}
+
+#ifndef DOUBLE_CUDA_12_0
+API cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **function, unsigned int version,
+                                                 unsigned long long flags, int *status)
+{
+    (void)flags;
+    pthread_mutex_lock(&lock);
+    note("cudaGetDriverEntryPointByVersion(%s, %u)", symbol, version);
+    cudaError_t code = entry_point(symbol, function, status);
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+#endif
+
+API cudaError_t cudaGetDriverEntryPoint(const char *symbol, void **function, unsigned long long flags, int *status)
+{
+    (void)flags;
+    pthread_mutex_lock(&lock);
+    note("cudaGetDriverEntryPoint(%s)", symbol);
+    cudaError_t code = entry_point(symbol, function, status);
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
 /* Device allocations are host memory here, so tests can read what a consumer wrote. */
 static void *remember(const char *call, void **pointer, size_t size)
 {
@@ -275,6 +420,8 @@ API cudaError_t cudaMalloc(void **pointer, size_t size)
 {
     pthread_mutex_lock(&lock);
     int code = injected("cudaMalloc");
+    if (code == 0)
+        bind_context();
     if (code == 0 && remember("cudaMalloc", pointer, size) == NULL)
         code = last_error = 2;
     pthread_mutex_unlock(&lock);
@@ -285,6 +432,8 @@ API cudaError_t cudaMallocHost(void **pointer, size_t size)
 {
     pthread_mutex_lock(&lock);
     int code = injected("cudaMallocHost");
+    if (code == 0)
+        bind_context();
     if (code == 0 && remember("cudaMallocHost", pointer, size) == NULL)
         code = last_error = 2;
     pthread_mutex_unlock(&lock);
@@ -296,6 +445,8 @@ API cudaError_t cudaMallocManaged(void **pointer, size_t size, unsigned int flag
     (void)flags;
     pthread_mutex_lock(&lock);
     int code = injected("cudaMallocManaged");
+    if (code == 0)
+        bind_context();
     if (code == 0 && remember("cudaMallocManaged", pointer, size) == NULL)
         code = last_error = 2;
     pthread_mutex_unlock(&lock);
@@ -325,8 +476,9 @@ API cudaError_t cudaFreeHost(void *pointer)
 API void double_reset(void)
 {
     pthread_mutex_lock(&lock);
-    region_count = failure_count = 0;
-    current_device = last_error = 0;
+    region_count = failure_count = stream_count = 0;
+    current_device = context_device = last_error = 0;
+    primary_made = 1;
     device_count = 4;
     log_length = 0;
     log_text[0] = '\0';
@@ -375,7 +527,31 @@ API int double_fail(const char *name, int code, int count)
 }
 
 API int double_current_device(void) { return current_device; }
-API void double_set_current_device(int device) { current_device = device; }
+/* Device made current with its primary context, as cudaSetDevice would (no log entry). */
+API void double_set_current_device(int device)
+{
+    current_device = context_device = device;
+    primary_made |= 1u << device;
+}
+/* A thread, and a process, that never used CUDA: no context current, no primary context made;
+ * cudaGetDevice answers device. */
+API void double_drop_context(int device)
+{
+    current_device = device;
+    context_device = -1;
+    primary_made = 0;
+}
+API int double_context_device(void) { return context_device; }
+API unsigned double_primary_contexts(void) { return primary_made; }
+API int double_add_stream(uintptr_t handle, int device)
+{
+    pthread_mutex_lock(&lock);
+    int ok = stream_count < MAX_REGIONS;
+    if (ok)
+        streams[stream_count].handle = handle, streams[stream_count].device = device, stream_count++;
+    pthread_mutex_unlock(&lock);
+    return ok ? 0 : -1;
+}
 API void double_set_device_count(int count) { device_count = count; }
 API int double_last_error(void) { return last_error; }
 API int double_events_created(void) { return events_created; }

@@ -12,15 +12,17 @@ SOURCE = os.path.join(os.path.dirname(__file__), os.pardir, "cudart_double", "cu
 UNREGISTERED, PINNED_HOST, DEVICE, MANAGED = 0, 1, 2, 3
 
 
-def build(directory=None):
-    """Compiles the double into a shared library and returns its path."""
+def build(directory=None, cuda_12_0=False):
+    """Compiles the double into a shared library and returns its path. cuda_12_0: a runtime without
+    the calls CUDA 12.5 and 12.8 added (cudaGetDriverEntryPointByVersion, cudaStreamGetDevice)."""
     directory = directory or tempfile.mkdtemp(prefix="cudart_double_")
-    target = os.path.join(directory, "libcudart_double.so")
+    target = os.path.join(directory, "libcudart_double_12_0.so" if cuda_12_0 else "libcudart_double.so")
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(compiler) is None:
         compiler = "cc"
     subprocess.run(
-        [compiler, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-pthread", SOURCE, "-o", target],
+        [compiler, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-pthread", SOURCE, "-o", target]
+        + (["-DDOUBLE_CUDA_12_0"] if cuda_12_0 else []),
         check=True,
     )
     return target
@@ -35,6 +37,8 @@ class CudaDouble:
         self.lib.double_log.restype = ctypes.c_char_p
         self.lib.double_add_region.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
         self.lib.double_fail.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+        self.lib.double_add_stream.argtypes = [ctypes.c_size_t, ctypes.c_int]
+        self.lib.double_primary_contexts.restype = ctypes.c_uint
 
     def reset(self):
         self.lib.double_reset()
@@ -58,6 +62,26 @@ class CudaDouble:
     @current_device.setter
     def current_device(self, device):
         self.lib.double_set_current_device(device)
+
+    @property
+    def context_device(self):
+        """The device whose primary context is current, or -1 for none."""
+        return self.lib.double_context_device()
+
+    def drop_context(self, device=0):
+        """No context current and no primary context made (cudaGetDevice answers device): a process
+        that has not used CUDA yet."""
+        self.lib.double_drop_context(device)
+
+    @property
+    def primary_contexts(self):
+        """The devices whose primary context exists."""
+        bits = self.lib.double_primary_contexts()
+        return {device for device in range(32) if bits >> device & 1}
+
+    def add_stream(self, handle, device):
+        """A stream handle cudaStreamGetDevice answers with device."""
+        assert self.lib.double_add_stream(handle, device) == 0
 
     @property
     def last_error(self):
