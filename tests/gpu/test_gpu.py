@@ -1,5 +1,6 @@
 """On a real GPU: PyTorch, CuPy and numba-cuda as producers and consumers, memory kinds, and stream
 ordering that keeps the host free. Skipped (with the reason) where there is no GPU."""
+import threading
 import time
 
 import numpy as np
@@ -170,6 +171,39 @@ def test_dlpack2cai_exports_the_consumer_stream():
     assert view.__cuda_array_interface__["stream"] == consumer.ptr
     assert dlpack2cai(t).__cuda_array_interface__["stream"] == 1
     assert dlpack2cai(t, stream=-1).__cuda_array_interface__["stream"] is None
+
+
+def test_a_thread_without_context_is_left_without_one():
+    """A new thread has no current CUDA context. A conversion that orders streams makes the data's device current
+    for its calls and leaves the thread with the context it had after the pointer query alone (none, unless the
+    query binds one), where cudaSetDevice would leave device 0's primary context bound."""
+    driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
+    producer = cupy.cuda.Stream(non_blocking=True)
+    with producer:
+        x = cupy.arange(1 << 10, dtype=cupy.float32)
+    wrapped = Wrapped(x, producer.ptr)
+    results = {}
+
+    def current_context():
+        return int(driver.cuCtxGetCurrent()[1])
+
+    def query_only():
+        results["fresh"] = current_context()
+        cupy.cuda.runtime.pointerGetAttributes(x.data.ptr)
+        results["after query"] = current_context()
+
+    def convert():
+        capsule = cai2dlpack(wrapped, stream=2)
+        results["after conversion"] = current_context()
+        results["view"] = dlpack2cai(capsule)
+
+    for target in (query_only, convert):
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
+    assert results["fresh"] == 0
+    assert results["after conversion"] == results["after query"]
+    assert float(cupy.asarray(results["view"]).sum()) == float(x.sum())
 
 
 @pytest.mark.skipif("torch.cuda.device_count() < 2", reason="needs two GPUs")
