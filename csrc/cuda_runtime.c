@@ -187,14 +187,17 @@ const cdl_cudart *cdl_cudart_get(void)
     /* First a runtime the process has loaded already (PyTorch's, CuPy's): one runtime instance, one
      * last-error state, one view of the current device. Then the loader's search, newest first. */
     static const int majors[] = {CDL_CUDART_HEADER_MAJOR, 13, 12};
+    int refused_loaded[sizeof(majors) / sizeof(majors[0])] = {0};
     for (int loaded_only = 1; loaded_only >= 0; loaded_only--) {
         for (size_t i = 0; i < sizeof(majors) / sizeof(majors[0]); i++) {
-            if (i > 0 && majors[i] == CDL_CUDART_HEADER_MAJOR)
-                continue;
+            if ((i > 0 && majors[i] == CDL_CUDART_HEADER_MAJOR) || (!loaded_only && refused_loaded[i]))
+                continue; /* a soname the first pass found loaded and refused is the same library now */
             char soname[64];
             snprintf(soname, sizeof(soname), "libcudart.so.%d", majors[i]);
+            size_t used = strlen(tried);
             if (cdl_try_open(soname, loaded_only, tried, sizeof(tried)))
                 return &cdl_runtime;
+            refused_loaded[i] = loaded_only && strlen(tried) > used;
         }
     }
     if (cdl_try_wheels(tried, sizeof(tried)))

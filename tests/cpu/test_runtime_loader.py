@@ -131,3 +131,13 @@ def test_runtime_the_process_already_loaded_is_preferred(tmp_path):
     # Without it in the process, the search takes the newest on the path.
     out = run_probe(LD_LIBRARY_PATH=str(tmp_path / "on_path"))
     assert out.endswith("PATH libcudart.so.13"), out
+
+
+def test_loaded_runtime_refused_is_listed_once(tmp_path):
+    """A libcudart.so.13 already in the process but newer than the driver is refused, and the search that
+    follows does not try (and list) the same library again."""
+    loaded = build_with_soname(tmp_path / "framework", "libcudart.so.13")
+    out = run_probe(preload=loaded, CUDART_DOUBLE_DRIVER_VERSION="12080", hide_wheels=tmp_path,
+                    LD_LIBRARY_PATH=str(tmp_path / "nothing"))
+    assert out.startswith("ERROR RuntimeError no CUDA runtime found"), out
+    assert out.count("libcudart.so.13 (runtime 13.0 needs a newer driver than this CUDA 12.8 one)") == 1, out
