@@ -37,13 +37,15 @@ def converter_extras():
     reference = "NumPy x.__dlpack__()"
     floors = build_floors()
     if floors is not None:
-        extras += [("floor f0: malloc + PyCapsule_New", floors.f0),
-                   ("floor f1: f0 + 4 interned dict reads", lambda: floors.f1(ready)),
-                   ("floor f1 with PyDict_GetItemString", lambda: floors.f1_getitemstring(ready))]
+        names = {"floors": floors, "ready": ready}
+        extras += [("floor f0: malloc + PyCapsule_New", ("floors.f0()", names)),
+                   ("floor f1: f0 + 4 interned dict reads", ("floors.f1(ready)", names)),
+                   ("floor f1 with PyDict_GetItemString", ("floors.f1_getitemstring(ready)", names))]
         reference = "floor f1: f0 + 4 interned dict reads"
     try:
         from dlpack import asdlpack  # the 'pydlpack' package
-        extras.append(("pydlpack asdlpack(ready dict).__dlpack__()", lambda: asdlpack(holder).__dlpack__()))
+        extras.append(("pydlpack asdlpack(ready dict).__dlpack__()",
+                       ("asdlpack(holder).__dlpack__()", {"asdlpack": asdlpack, "holder": holder})))
     except ImportError:
         pass
     return {"converter": extras, "converter_reference": reference}
@@ -75,8 +77,9 @@ def growth(repeat=11):
         shaped = element.reshape((1,) * ndim)
         contiguous, strided = Holder(shaped, strides=False), Holder(shaped)
         strided.__array_interface__["strides"] = (8,) * ndim
-        rows.append((ndim, measure(lambda: cai2dlpack(contiguous), repeat=repeat)["median"],
-                     measure(lambda: cai2dlpack(strided), repeat=repeat)["median"]))
+        names = {"cai2dlpack": cai2dlpack, "contiguous": contiguous, "strided": strided}
+        rows.append((ndim, measure(("cai2dlpack(contiguous)", names), repeat=repeat)["median"],
+                     measure(("cai2dlpack(strided)", names), repeat=repeat)["median"]))
     return rows
 
 
