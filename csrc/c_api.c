@@ -240,10 +240,10 @@ static int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned *
     }
     else if (type == kDLCUDA || type == kDLCUDAHost || type == kDLCUDAManaged) {
         const cdl_cudart *rt = cdl_cudart_get_any_thread(); /* a consumer's first call may be this one */
-        cdl_device_scope scope;
+        cdl_device_scope scope = {0};
         int status = rt ? cdl_device_enter(rt, prototype->device.device_id, &scope) : -1;
-        const char *failed = status ? scope.failed_call : NULL;
-        int in_driver = status ? scope.failed_in_driver : 0;
+        const char *failed = scope.failed_call;
+        int in_driver = scope.failed_in_driver;
         if (status == 0) {
             status = type == kDLCUDA       ? rt->malloc(&data, size)
                      : type == kDLCUDAHost ? rt->malloc_host(&data, size)
@@ -251,7 +251,7 @@ static int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned *
             failed = type == kDLCUDA ? "cudaMalloc" : type == kDLCUDAHost ? "cudaMallocHost" : "cudaMallocManaged";
             if (status == 0 && cdl_device_leave(rt, &scope) != 0) {
                 /* The memory is made, but the caller's device could not be put back: refuse it. */
-                type == kDLCUDAHost ? rt->free_host(data) : rt->free(data);
+                (void)(type == kDLCUDAHost ? rt->free_host(data) : rt->free(data));
                 status = scope.failed_code, failed = scope.failed_call, in_driver = scope.failed_in_driver;
             }
             else if (status != 0) {
