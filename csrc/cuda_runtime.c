@@ -61,6 +61,7 @@ static void cdl_resolve_optional(void *handle, cdl_cudart *table)
     } wanted[] = {
         {(void **)&table->cu_ctx_get_current, "cuCtxGetCurrent"},
         {(void **)&table->cu_ctx_set_current, "cuCtxSetCurrent"},
+        {(void **)&table->cu_ctx_get_id, "cuCtxGetId"},
         {(void **)&table->cu_get_error_name, "cuGetErrorName"},
         {(void **)&table->cu_get_error_string, "cuGetErrorString"},
     };
@@ -73,7 +74,7 @@ static void cdl_resolve_optional(void *handle, cdl_cudart *table)
         *wanted[i].slot = status == cudaSuccess && found == 0 /* cudaDriverEntryPointSuccess */ && function ? function : NULL;
     }
     if (table->cu_ctx_get_current == NULL || table->cu_ctx_set_current == NULL)
-        table->cu_ctx_get_current = NULL, table->cu_ctx_set_current = NULL;
+        table->cu_ctx_get_current = NULL, table->cu_ctx_set_current = NULL, table->cu_ctx_get_id = NULL;
     (void)table->get_last_error(); /* an entry-point query that failed must not leave an error behind */
 }
 
@@ -261,15 +262,18 @@ int cdl_raise_cuda_error(const char *call, int code)
     return cdl_raise(call, code, name, text ? text : "no description");
 }
 
+int cdl_raise_driver_error(const char *call, int code)
+{
+    const char *text = NULL;
+    if (cdl_runtime.cu_get_error_string == NULL || cdl_runtime.cu_get_error_string(code, &text) != 0)
+        text = NULL;
+    return cdl_raise(call, code, cdl_error_name(&cdl_runtime, code, 1), text ? text : "no description");
+}
+
 int cdl_raise_scope_error(const cdl_device_scope *scope)
 {
-    if (!scope->failed_in_driver)
-        return cdl_raise_cuda_error(scope->failed_call, scope->failed_code);
-    const char *text = NULL;
-    if (cdl_runtime.cu_get_error_string == NULL || cdl_runtime.cu_get_error_string(scope->failed_code, &text) != 0)
-        text = NULL;
-    return cdl_raise(scope->failed_call, scope->failed_code, cdl_error_name(&cdl_runtime, scope->failed_code, 1),
-                     text ? text : "no description");
+    return scope->failed_in_driver ? cdl_raise_driver_error(scope->failed_call, scope->failed_code)
+                                   : cdl_raise_cuda_error(scope->failed_call, scope->failed_code);
 }
 
 /* ---- the current device, switched and put back ------------------------------------------------- */

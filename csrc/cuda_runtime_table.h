@@ -31,6 +31,7 @@ typedef struct cdl_cudart {
      * current context, saved and put back exactly, and the names of its error codes. */
     int (*cu_ctx_get_current)(void **);
     int (*cu_ctx_set_current)(void *);
+    int (*cu_ctx_get_id)(void *, unsigned long long *); /* unique for the process's lifetime (CUDA 12.0) */
     int (*cu_get_error_name)(int, const char **);
     int (*cu_get_error_string)(int, const char **);
 } cdl_cudart;
@@ -55,6 +56,8 @@ int cdl_device_enter(const cdl_cudart *rt, int device, cdl_device_scope *scope);
 int cdl_device_leave(const cdl_cudart *rt, cdl_device_scope *scope);
 /* Raises CudaError for the scope's failed call. Returns -1. */
 int cdl_raise_scope_error(const cdl_device_scope *scope);
+/* Raises CudaError for a failed driver call (a CUresult). Returns -1. */
+int cdl_raise_driver_error(const char *call, int code);
 /* The name of an error code of the call's API ("cudaError..." or "CUDA_ERROR_..."). */
 const char *cdl_error_name(const cdl_cudart *rt, int code, int in_driver);
 

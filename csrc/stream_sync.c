@@ -9,10 +9,17 @@
 int cdl_option_sync = 1;
 int cdl_option_export_stream = 1;
 
-/* One reusable event per device. A stream that waits on an event captures the event's state at
- * cudaStreamWaitEvent time, so the event can be recorded again at once; the GIL, held through
- * record and wait, keeps two conversions from sharing one between those calls. */
-static cudaEvent_t *cdl_event_pool;
+/* One reusable event per device, and the id of the context it was made in. A stream that waits on an
+ * event captures the event's state at cudaStreamWaitEvent time, so the event can be recorded again at
+ * once; the GIL, held through record and wait, keeps two conversions from sharing one between those
+ * calls. A device reset (cudaDeviceReset, cuDevicePrimaryCtxReset) destroys the context and its events:
+ * the next conversion finds another context id and makes a new event rather than record a dead handle
+ * (which fails, or worse, names an event someone made since). */
+typedef struct {
+    cudaEvent_t event;
+    unsigned long long context_id;
+} cdl_pool_entry;
+static cdl_pool_entry *cdl_event_pool;
 static int cdl_event_pool_size;
 
 static int cdl_env_flag(const char *name, int fallback)
@@ -56,28 +63,42 @@ int cdl_parse_stream(PyObject *value, const char *what, int consumer, int64_t *o
     return 0;
 }
 
-/* The pool's event of a device, made on first use. The device must be current. */
-static int cdl_pooled_event(const cdl_cudart *rt, int device, cudaEvent_t *event)
+/* The pool's event of a device, made on first use or when the current context is not the one it was
+ * made in. The device must be current, entered through scope. */
+static int cdl_pooled_event(const cdl_cudart *rt, int device, const cdl_device_scope *scope, cudaEvent_t *event)
 {
     if (device >= cdl_event_pool_size) {
         int size = device + 1 > 8 ? device + 1 : 8;
-        cudaEvent_t *grown = PyMem_RawRealloc(cdl_event_pool, (size_t)size * sizeof(cudaEvent_t));
+        cdl_pool_entry *grown = PyMem_RawRealloc(cdl_event_pool, (size_t)size * sizeof(cdl_pool_entry));
         if (grown == NULL) {
             PyErr_NoMemory();
             return -1;
         }
-        memset(grown + cdl_event_pool_size, 0, (size_t)(size - cdl_event_pool_size) * sizeof(cudaEvent_t));
+        memset(grown + cdl_event_pool_size, 0, (size_t)(size - cdl_event_pool_size) * sizeof(cdl_pool_entry));
         cdl_event_pool = grown;
         cdl_event_pool_size = size;
     }
-    if (cdl_event_pool[device] == NULL) {
-        cudaError_t status = rt->event_create_with_flags(&cdl_event_pool[device], cudaEventDisableTiming);
+    cdl_pool_entry *entry = &cdl_event_pool[device];
+    unsigned long long context_id = 0;
+    if (rt->cu_ctx_get_id != NULL) {
+        void *context = scope->previous_context; /* current, unless the scope switched */
+        int code = scope->switched ? rt->cu_ctx_get_current(&context) : 0;
+        if (code != 0)
+            return cdl_raise_driver_error("cuCtxGetCurrent", code);
+        if ((code = rt->cu_ctx_get_id(context, &context_id)) != 0)
+            return cdl_raise_driver_error("cuCtxGetId", code);
+        if (entry->event != NULL && entry->context_id != context_id)
+            entry->event = NULL; /* its context is gone (or not current): the event is not ours to use */
+    }
+    if (entry->event == NULL) {
+        cudaError_t status = rt->event_create_with_flags(&entry->event, cudaEventDisableTiming);
         if (status != cudaSuccess) {
-            cdl_event_pool[device] = NULL;
+            entry->event = NULL;
             return cdl_raise_cuda_error("cudaEventCreateWithFlags", status);
         }
+        entry->context_id = context_id;
     }
-    *event = cdl_event_pool[device];
+    *event = entry->event;
     return 0;
 }
 
@@ -112,7 +133,7 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
         return cdl_raise_scope_error(&scope);
     int result = -1;
     cudaEvent_t event = NULL;
-    if (cdl_pooled_event(rt, event_device, &event) < 0)
+    if (cdl_pooled_event(rt, event_device, &scope, &event) < 0)
         goto done;
     cudaError_t status = rt->event_record(event, (cudaStream_t)(uintptr_t)producer);
     if (status != cudaSuccess) {

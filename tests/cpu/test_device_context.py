@@ -29,7 +29,8 @@ def stream_calls(log):
     """What the conversion did to the device, contexts and streams (not pointer queries, event ids or the
     runtime's load)."""
     return [re.sub(r"ev\d+", "ev", line) for line in log
-            if not line.startswith(("cudaPointerGetAttributes", "cudaGetDriverEntryPoint", "cudaEventCreateWithFlags"))]
+            if not line.startswith(("cudaPointerGetAttributes", "cudaGetDriverEntryPoint", "cudaEventCreateWithFlags",
+                                    "cuCtxGetId"))]
 
 
 def test_a_thread_without_context_is_left_without_one(cudart):
@@ -40,7 +41,8 @@ def test_a_thread_without_context_is_left_without_one(cudart):
     cudart.drop_context(0)
     assert cai2dlpack(CaiArray(host, stream=S1), stream=S2) is not None
     assert stream_calls(cudart.log()) == [
-        "cuCtxGetCurrent() -> NULL", "cudaGetDevice() -> 0", "cudaSetDevice(2)", f"cudaEventRecord(ev, {S1})",
+        "cuCtxGetCurrent() -> NULL", "cudaGetDevice() -> 0", "cudaSetDevice(2)", "cuCtxGetCurrent() -> ctx2",
+        f"cudaEventRecord(ev, {S1})",
         f"cudaStreamWaitEvent({S2}, ev, 0)", "cuCtxSetCurrent(NULL)"]
     assert cudart.context_device == -1
     assert cudart.primary_contexts == {2}
@@ -96,8 +98,9 @@ def test_pinned_and_managed_events_go_on_the_stream_device(cudart, kind):
     cai2dlpack(CaiArray(host, stream=S1), stream=S2)
     calls = stream_calls(cudart.log())
     assert calls[0] == f"cudaStreamGetDevice({S1}) -> 3"
-    assert calls[1:4] == ["cuCtxGetCurrent() -> ctx0", "cudaGetDevice() -> 0", "cudaSetDevice(3)"]
-    assert calls[4:] == [f"cudaEventRecord(ev, {S1})", f"cudaStreamWaitEvent({S2}, ev, 0)", "cuCtxSetCurrent(ctx0)"]
+    assert calls[1:5] == ["cuCtxGetCurrent() -> ctx0", "cudaGetDevice() -> 0", "cudaSetDevice(3)",
+                          "cuCtxGetCurrent() -> ctx3"]
+    assert calls[5:] == [f"cudaEventRecord(ev, {S1})", f"cudaStreamWaitEvent({S2}, ev, 0)", "cuCtxSetCurrent(ctx0)"]
     assert cudart.context_device == 0
 
 
@@ -171,5 +174,40 @@ def test_runtime_12_0_uses_the_unversioned_entry_point_and_the_allocation_device
     assert "cudaGetDriverEntryPoint(cuCtxGetCurrent)" in lines
     lines = [line for line in lines if not line.startswith(("cudaGetDriverEntryPoint", "cudaGetLastError"))]
     assert lines == ["cuCtxGetCurrent() -> ctx2", "cudaGetDevice() -> 2", "cudaSetDevice(1)",
+                     "cuCtxGetCurrent() -> ctx1", "cuCtxGetId(ctx1) -> 0",
                      "cudaEventRecord(ev, 20480)", "cudaStreamWaitEvent(24576, ev, 0)", "cuCtxSetCurrent(ctx2)",
                      "current 2 2"]
+
+
+def test_a_device_reset_gets_a_new_event(cudart):
+    """cudaDeviceReset destroys the context and the pooled event with it: the next conversion sees another context
+    id and makes a new event instead of recording a dead handle."""
+    host = np.zeros(4, dtype=np.float32)
+    register(cudart, host, DEVICE, device=2)
+    obj = CaiArray(host, stream=S1)
+    cai2dlpack(obj, stream=S2)
+    before = cudart.events_created
+    cai2dlpack(obj, stream=S2)
+    assert cudart.events_created == before  # steady state: the pooled event
+    cudart.reset_device(2)
+    cudart.clear_log()
+    cai2dlpack(obj, stream=S2)
+    assert cudart.events_created == before + 1
+    assert not any("error" in line for line in cudart.log())
+    cai2dlpack(obj, stream=S2)
+    assert cudart.events_created == before + 1
+
+
+@pytest.mark.parametrize("failing", ["cuCtxGetId", "cuCtxGetCurrent"])
+def test_context_id_failure(cudart, failing):
+    """A failing context query after the switch raises, names the driver's error and puts the context back."""
+    host = np.zeros(4, dtype=np.float32)
+    register(cudart, host, DEVICE, device=2)
+    cudart.current_device = 1
+    if failing == "cuCtxGetCurrent":
+        # Its first call saves the caller's context and succeeds (code 0); the second, after the switch, fails.
+        cudart.fail(failing, 0)
+    cudart.fail(failing, 201)
+    with pytest.raises(CudaError, match=f"{failing} failed: CUDA_ERROR_INVALID_CONTEXT"):
+        cai2dlpack(CaiArray(host, stream=S1), stream=S2)
+    assert cudart.context_device == 1 and cudart.last_error == 0

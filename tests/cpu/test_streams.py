@@ -28,7 +28,8 @@ def expected_calls(producer, consumer, data_device, current_device):
         return []
     calls = [f"cuCtxGetCurrent() -> ctx{current_device}", f"cudaGetDevice() -> {current_device}"]
     if data_device != current_device:
-        calls.append(f"cudaSetDevice({data_device})")
+        calls += [f"cudaSetDevice({data_device})", f"cuCtxGetCurrent() -> ctx{data_device}"]
+    calls.append(f"cuCtxGetId(ctx{data_device}) -> 0")  # the pooled event's context is still the current one
     calls += [f"cudaEventRecord(ev{{}}, {producer})", f"cudaStreamWaitEvent({consumer_stream}, ev{{}}, 0)"]
     if data_device != current_device:
         calls.append(f"cuCtxSetCurrent(ctx{current_device})")

@@ -352,6 +352,24 @@ static int cuCtxSetCurrent(CUcontext context)
     return code;
 }
 
+/* Context ids are unique for the process's lifetime: device d's primary context is d + 1 until a
+ * reset makes it a new one. */
+static unsigned long long context_generation[32];
+
+static int cuCtxGetId(CUcontext context, unsigned long long *id)
+{
+    pthread_mutex_lock(&lock);
+    int device = context == NULL ? -1 : (int)((uintptr_t)context - 0xC000);
+    int code = injected("cuCtxGetId");
+    if (code == 0 && (device < 0 || device >= device_count))
+        code = 201; /* CUDA_ERROR_INVALID_CONTEXT */
+    if (code == 0)
+        *id = (unsigned long long)device + 1 + 1000 * context_generation[device];
+    note("cuCtxGetId(ctx%d) -> %d", device, code);
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
 static int cuGetErrorName(int code, const char **name)
 {
     *name = code == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : code == 2 ? "CUDA_ERROR_OUT_OF_MEMORY" : NULL;
@@ -376,6 +394,8 @@ static cudaError_t entry_point(const char *symbol, void **function, int *status)
         *function = (void *)cuCtxGetCurrent;
     else if (strcmp(symbol, "cuCtxSetCurrent") == 0)
         *function = (void *)cuCtxSetCurrent;
+    else if (strcmp(symbol, "cuCtxGetId") == 0)
+        *function = (void *)cuCtxGetId;
     else if (strcmp(symbol, "cuGetErrorName") == 0)
         *function = (void *)cuGetErrorName;
     else if (strcmp(symbol, "cuGetErrorString") == 0)
@@ -542,6 +562,19 @@ API void double_drop_context(int device)
     primary_made = 0;
 }
 API int double_context_device(void) { return context_device; }
+/* cudaDeviceReset on device: its primary context and every event made in it are destroyed. */
+API void double_reset_device(int device)
+{
+    pthread_mutex_lock(&lock);
+    context_generation[device]++;
+    for (int id = 1; id < MAX_EVENTS; id++) {
+        if (event_device[id] == device + 1) {
+            event_device[id] = 0;
+            events_destroyed++;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+}
 API unsigned double_primary_contexts(void) { return primary_made; }
 API int double_add_stream(uintptr_t handle, int device)
 {

@@ -79,6 +79,10 @@ class CudaDouble:
         bits = self.lib.double_primary_contexts()
         return {device for device in range(32) if bits >> device & 1}
 
+    def reset_device(self, device):
+        """cudaDeviceReset: the device's context and its events are destroyed; the next context has a new id."""
+        self.lib.double_reset_device(device)
+
     def add_stream(self, handle, device):
         """A stream handle cudaStreamGetDevice answers with device."""
         assert self.lib.double_add_stream(handle, device) == 0
