@@ -211,3 +211,11 @@ def test_context_id_failure(cudart, failing):
     with pytest.raises(CudaError, match=f"{failing} failed: CUDA_ERROR_INVALID_CONTEXT"):
         cai2dlpack(CaiArray(host, stream=S1), stream=S2)
     assert cudart.context_device == 1 and cudart.last_error == 0
+
+
+def test_the_gpu_suites_reset_script_against_the_double():
+    """The GPU suite's device-reset child, run here against the double: the script itself is sound."""
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "support", "device_reset_child.py")
+    child = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "converted after a reset"

@@ -313,6 +313,43 @@ API cudaError_t cudaStreamGetDevice(cudaStream_t stream, int *device)
 }
 #endif
 
+/* Streams made here are 0x7000 + n on the current device. */
+API cudaError_t cudaStreamCreate(cudaStream_t *stream)
+{
+    pthread_mutex_lock(&lock);
+    int code = injected("cudaStreamCreate");
+    if (code == 0 && stream_count == MAX_REGIONS)
+        code = last_error = 2;
+    if (code == 0) {
+        bind_context();
+        uintptr_t handle = 0x7000 + (uintptr_t)stream_count;
+        streams[stream_count].handle = handle, streams[stream_count].device = context_device, stream_count++;
+        *stream = (cudaStream_t)handle;
+    }
+    note("cudaStreamCreate() -> %d", code);
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaStreamDestroy(cudaStream_t stream)
+{
+    pthread_mutex_lock(&lock);
+    note("cudaStreamDestroy(%lu)", (unsigned long)(uintptr_t)stream);
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+static void reset_device(int device);
+
+API cudaError_t cudaDeviceReset(void)
+{
+    pthread_mutex_lock(&lock);
+    note("cudaDeviceReset()");
+    reset_device(current_device);
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
 /* ---- driver API, reached only through the runtime's entry-point query ------------------------ */
 
 typedef void *CUcontext;
@@ -444,6 +481,9 @@ API cudaError_t cudaMalloc(void **pointer, size_t size)
         bind_context();
     if (code == 0 && remember("cudaMalloc", pointer, size) == NULL)
         code = last_error = 2;
+    if (code == 0 && region_count < MAX_REGIONS) /* device memory of the current device, for pointer queries */
+        regions[region_count].start = (uintptr_t)*pointer, regions[region_count].size = size ? size : 1,
+        regions[region_count].type = 2, regions[region_count].device = context_device, region_count++;
     pthread_mutex_unlock(&lock);
     return code;
 }
@@ -477,6 +517,12 @@ API cudaError_t cudaFree(void *pointer)
 {
     pthread_mutex_lock(&lock);
     note("cudaFree()");
+    for (int i = 0; i < region_count; i++) {
+        if (regions[i].start == (uintptr_t)pointer && regions[i].type == 2) {
+            regions[i] = regions[--region_count];
+            break;
+        }
+    }
     free(pointer);
     pthread_mutex_unlock(&lock);
     return 0;
@@ -562,10 +608,9 @@ API void double_drop_context(int device)
     primary_made = 0;
 }
 API int double_context_device(void) { return context_device; }
-/* cudaDeviceReset on device: its primary context and every event made in it are destroyed. */
-API void double_reset_device(int device)
+/* A reset of device: its primary context and every event made in it are destroyed (lock held). */
+static void reset_device(int device)
 {
-    pthread_mutex_lock(&lock);
     context_generation[device]++;
     for (int id = 1; id < MAX_EVENTS; id++) {
         if (event_device[id] == device + 1) {
@@ -573,6 +618,12 @@ API void double_reset_device(int device)
             events_destroyed++;
         }
     }
+}
+
+API void double_reset_device(int device)
+{
+    pthread_mutex_lock(&lock);
+    reset_device(device);
     pthread_mutex_unlock(&lock);
 }
 API unsigned double_primary_contexts(void) { return primary_made; }

@@ -206,6 +206,19 @@ def test_a_thread_without_context_is_left_without_one():
     assert float(cupy.asarray(results["view"]).sum()) == float(x.sum())
 
 
+def test_conversion_after_a_device_reset():
+    """A device reset destroys the pooled event with its context; the next conversion makes a new one (in a child
+    process: a reset would pull the memory from under this process's PyTorch and CuPy)."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "support", "device_reset_child.py")
+    child = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "converted after a reset"
+
+
 @pytest.mark.skipif("torch.cuda.device_count() < 2", reason="needs two GPUs")
 def test_second_device():
     with cupy.cuda.Device(1):
