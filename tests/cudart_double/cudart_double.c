@@ -64,16 +64,33 @@ static const struct { int code; const char *name; const char *text; } error_tabl
     {999, "cudaErrorUnknown", "unknown error"},
 };
 
-static void note(const char *format, ...)
+static void vnote(const char *format, va_list args)
 {
-    va_list args;
-    va_start(args, format);
     if (log_length < sizeof(log_text) - 256) {
         log_length += (size_t)vsnprintf(log_text + log_length, sizeof(log_text) - log_length, format, args);
         log_text[log_length++] = '\n';
         log_text[log_length] = '\0';
     }
+}
+
+static void note(const char *format, ...)
+{
+    va_list args;
+    va_start(args, format);
+    vnote(format, args);
     va_end(args);
+}
+
+/* A call that only logs itself and succeeds. */
+static cudaError_t logged(const char *format, ...)
+{
+    va_list args;
+    va_start(args, format);
+    pthread_mutex_lock(&lock);
+    vnote(format, args);
+    pthread_mutex_unlock(&lock);
+    va_end(args);
+    return 0;
 }
 
 /* The error code a call is told to return, or 0. */
@@ -276,19 +293,10 @@ API cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsi
 
 API cudaError_t cudaStreamSynchronize(cudaStream_t stream)
 {
-    pthread_mutex_lock(&lock);
-    note("cudaStreamSynchronize(%lu)", (unsigned long)(uintptr_t)stream);
-    pthread_mutex_unlock(&lock);
-    return 0;
+    return logged("cudaStreamSynchronize(%lu)", (unsigned long)(uintptr_t)stream);
 }
 
-API cudaError_t cudaDeviceSynchronize(void)
-{
-    pthread_mutex_lock(&lock);
-    note("cudaDeviceSynchronize()");
-    pthread_mutex_unlock(&lock);
-    return 0;
-}
+API cudaError_t cudaDeviceSynchronize(void) { return logged("cudaDeviceSynchronize()"); }
 
 #ifndef DOUBLE_CUDA_12_0
 /* The device of a stream the tests registered; the legacy and per-thread handles are the current
@@ -333,10 +341,7 @@ API cudaError_t cudaStreamCreate(cudaStream_t *stream)
 
 API cudaError_t cudaStreamDestroy(cudaStream_t stream)
 {
-    pthread_mutex_lock(&lock);
-    note("cudaStreamDestroy(%lu)", (unsigned long)(uintptr_t)stream);
-    pthread_mutex_unlock(&lock);
-    return 0;
+    return logged("cudaStreamDestroy(%lu)", (unsigned long)(uintptr_t)stream);
 }
 
 static void reset_device(int device);
