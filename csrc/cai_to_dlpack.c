@@ -362,12 +362,12 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
         goto done;
 
     if (source == CDL_SOURCE_CAI) {
-        if (cdl_device_of_pointer(out->data, &out->device) < 0)
+        if (cdl_device_of_pointer(out->data, &out->device, &out->home_device) < 0)
             goto done;
     }
     else {
         out->device.device_type = kDLCPU;
-        out->device.device_id = 0;
+        out->device.device_id = out->home_device = 0;
     }
     status = 0;
 done:
@@ -447,7 +447,7 @@ static int cdl_array_from_buffer(PyObject *obj, cdl_array *out, PyObject **keepa
     out->data = buffer->buf;
     out->read_only = buffer->readonly;
     out->device.device_type = kDLCPU;
-    out->device.device_id = 0;
+    out->device.device_id = out->home_device = 0;
     out->stream = 0;
     if (cdl_check_extent(out, CDL_SOURCE_ARRAY_INTERFACE, Py_None, itemsize, -1, 0) < 0) {
         PyErr_Clear();

@@ -62,6 +62,10 @@ typedef struct {
     int64_t shape[CDL_MAX_NDIM];
     int64_t strides[CDL_MAX_NDIM];
     DLDevice device;
+    /* The device the legacy and per-thread streams of this memory are ordered on: device.device_id,
+     * except for pinned and managed memory, whose DLPack device_id is 0 (any device may use them),
+     * where it is the device CUDA reports the allocation under. */
+    int32_t home_device;
     int read_only;
     int64_t stream;                  /* producer's CAI stream; 0 means none was given */
 } cdl_array;
@@ -113,9 +117,10 @@ static inline int64_t cdl_itemsize(DLDataType dtype) { return ((int64_t)dtype.bi
 int cdl_dtype_init(void);
 
 /* cuda_runtime.c --------------------------------------------------------------------------------- */
-/* Fills *device from the runtime's pointer attributes of ptr (the current device for NULL).
+/* Fills *device from the runtime's pointer attributes of ptr (the current device for NULL), with
+ * device_id 0 for pinned and managed memory as DLPack asks, and *home with the device CUDA reports.
  * Returns 0, or -1 with an exception set (runtime missing, CUDA error, memory CUDA does not know). */
-int cdl_device_of_pointer(const void *ptr, DLDevice *device);
+int cdl_device_of_pointer(const void *ptr, DLDevice *device, int32_t *home);
 /* Sets cdl_CudaError for a failed runtime call and clears the runtime's last error. Returns -1. */
 int cdl_raise_cuda_error(const char *call, int code);
 /* Function table of the loaded runtime; NULL with RuntimeError saying what was searched. */

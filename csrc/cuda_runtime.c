@@ -320,7 +320,7 @@ int cdl_device_leave(const cdl_cudart *rt, cdl_device_scope *scope)
     return 0;
 }
 
-int cdl_device_of_pointer(const void *ptr, DLDevice *device)
+int cdl_device_of_pointer(const void *ptr, DLDevice *device, int32_t *home)
 {
     const cdl_cudart *rt = cdl_cudart_get();
     if (rt == NULL)
@@ -332,7 +332,7 @@ int cdl_device_of_pointer(const void *ptr, DLDevice *device)
         if (status != cudaSuccess)
             return cdl_raise_cuda_error("cudaGetDevice", status);
         device->device_type = kDLCUDA;
-        device->device_id = current;
+        device->device_id = *home = current;
         return 0;
     }
     /* The struct grew in CUDA 13 (reserved words) and the runtime loaded may be newer than the headers
@@ -364,7 +364,8 @@ int cdl_device_of_pointer(const void *ptr, DLDevice *device)
                      "(cudaMemoryTypeUnregistered)", ptr);
         return -1;
     }
-    device->device_id = attributes.device < 0 ? 0 : attributes.device;
+    *home = attributes.device < 0 ? 0 : attributes.device;
+    device->device_id = device->device_type == kDLCUDA ? *home : 0;
     return 0;
 }
 

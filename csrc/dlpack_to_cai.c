@@ -382,6 +382,7 @@ void cdl_array_from_view(PyObject *view, cdl_array *arr)
     arr->dtype = t->dtype;
     arr->ndim = t->ndim;
     arr->device = t->device;
+    arr->home_device = t->device.device_id; /* a producer's pinned or managed tensor says 0: no better guess */
     arr->read_only = self->read_only;
     arr->stream = self->stream;
     for (int32_t i = 0; i < t->ndim; i++) {

@@ -122,7 +122,7 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
     /* The event goes on the producer stream's device. For device memory that is the data's device;
      * pinned and managed memory may be used from any device, so a stream handle is asked for its own
      * (where the runtime can say) and the legacy and per-thread handles keep the allocation's. */
-    int event_device = device.device_id;
+    int event_device = arr->home_device;
     if (device.device_type != kDLCUDA && producer > CDL_STREAM_PER_THREAD && rt->stream_get_device != NULL) {
         cudaError_t status = rt->stream_get_device((cudaStream_t)(uintptr_t)producer, &event_device);
         if (status != cudaSuccess)

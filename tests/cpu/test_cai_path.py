@@ -50,7 +50,12 @@ def test_pinned_and_managed_memory_into_numpy(cudart, kind, device_type, dtype):
     register(cudart, host, kind, device=1)
     producer = CaiArray(host[:, 1:5])
     shim = DLPackShim(producer)
-    assert shim.__dlpack_device__() == (device_type, 1)
+    # DLPack: "for vanilla CPU memory, pinned memory, or managed memory, [device_id] is set to 0", whatever
+    # device the allocation was made under (1 here).
+    assert shim.__dlpack_device__() == (device_type, 0)
+    assert read_capsule(shim.__dlpack__(max_version=(1, 0), dl_device=(device_type, 0)))["device"] == (device_type, 0)
+    with pytest.raises(BufferError, match=rf"dl_device \({device_type}, 1\) differs from the data's device"):
+        shim.__dlpack__(max_version=(1, 0), dl_device=(device_type, 1))
     y = np.from_dlpack(shim)
     assert y.__array_interface__["data"][0] == host[:, 1:].__array_interface__["data"][0]
     np.testing.assert_array_equal(y, host[:, 1:5])

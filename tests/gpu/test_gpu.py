@@ -90,7 +90,7 @@ def test_device_types_of_memory_kinds():
     assert DLPackShim(device).__dlpack_device__() == (kDLCUDA, device.device.id)
     managed_memory = cupy.cuda.malloc_managed(64)
     managed = cupy.ndarray((16,), dtype=cupy.float32, memptr=managed_memory)
-    assert DLPackShim(managed).__dlpack_device__()[0] == kDLCUDAManaged
+    assert DLPackShim(managed).__dlpack_device__() == (kDLCUDAManaged, 0)  # DLPack: 0 for managed memory
     pinned_memory = cupy.cuda.alloc_pinned_memory(64)
     host = np.frombuffer(pinned_memory, dtype=np.float32, count=16)
     host[:] = np.arange(16)
@@ -99,7 +99,7 @@ def test_device_types_of_memory_kinds():
         __cuda_array_interface__ = {"shape": (16,), "typestr": "<f4", "data": (host.ctypes.data, False),
                                     "version": 3, "stream": None}
 
-    assert DLPackShim(Pinned()).__dlpack_device__()[0] == kDLCUDAHost
+    assert DLPackShim(Pinned()).__dlpack_device__() == (kDLCUDAHost, 0)  # and for pinned memory
     np.testing.assert_array_equal(np.from_dlpack(DLPackShim(Pinned())), np.arange(16))
 
 
