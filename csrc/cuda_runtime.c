@@ -71,7 +71,8 @@ static void cdl_resolve_optional(void *handle, cdl_cudart *table)
         cudaError_t status = by_version   ? by_version(wanted[i].symbol, &function, 12000, 0, &found)
                              : unversioned ? unversioned(wanted[i].symbol, &function, 0, &found)
                                            : cudaErrorNotSupported;
-        *wanted[i].slot = status == cudaSuccess && found == 0 /* cudaDriverEntryPointSuccess */ && function ? function : NULL;
+        int usable = status == cudaSuccess && found == 0 /* cudaDriverEntryPointSuccess */ && function != NULL;
+        *wanted[i].slot = usable ? function : NULL;
     }
     if (table->cu_ctx_get_current == NULL || table->cu_ctx_set_current == NULL)
         table->cu_ctx_get_current = NULL, table->cu_ctx_set_current = NULL, table->cu_ctx_get_id = NULL;
@@ -291,11 +292,15 @@ int cdl_device_enter(const cdl_cudart *rt, int device, cdl_device_scope *scope)
     scope->switched = 0;
     scope->previous_context = NULL;
     int by_context = rt->cu_ctx_get_current != NULL, code;
-    if (by_context && (code = rt->cu_ctx_get_current(&scope->previous_context)) != 0)
-        return cdl_scope_failed(scope, "cuCtxGetCurrent", code, 1);
-    /* Without a current context cudaGetDevice answers 0 (or the last device set) and creates none. */
+    /* First the runtime, which initializes the driver on first use: without a current context
+     * cudaGetDevice answers 0 (or the last device set) and creates none. */
     if ((code = rt->get_device(&scope->previous_device)) != cudaSuccess)
         return cdl_scope_failed(scope, "cudaGetDevice", code, 0);
+    /* A driver not initialized yet (CUDA_ERROR_NOT_INITIALIZED) has no current context either. */
+    if (by_context && (code = rt->cu_ctx_get_current(&scope->previous_context)) != 0 && code != 3)
+        return cdl_scope_failed(scope, "cuCtxGetCurrent", code, 1);
+    if (code == 3)
+        scope->previous_context = NULL;
     if (scope->previous_device == device && (!by_context || scope->previous_context != NULL))
         return 0;
     if ((code = rt->set_device(device)) != cudaSuccess)

@@ -41,7 +41,7 @@ def test_a_thread_without_context_is_left_without_one(cudart):
     cudart.drop_context(0)
     assert cai2dlpack(CaiArray(host, stream=S1), stream=S2) is not None
     assert stream_calls(cudart.log()) == [
-        "cuCtxGetCurrent() -> NULL", "cudaGetDevice() -> 0", "cudaSetDevice(2)", "cuCtxGetCurrent() -> ctx2",
+        "cudaGetDevice() -> 0", "cuCtxGetCurrent() -> NULL", "cudaSetDevice(2)", "cuCtxGetCurrent() -> ctx2",
         f"cudaEventRecord(ev, {S1})",
         f"cudaStreamWaitEvent({S2}, ev, 0)", "cuCtxSetCurrent(NULL)"]
     assert cudart.context_device == -1
@@ -56,8 +56,20 @@ def test_no_context_and_data_on_device_zero(cudart):
     cudart.drop_context(0)
     cai2dlpack(CaiArray(host, stream=S1), stream=S2)
     calls = stream_calls(cudart.log())
-    assert calls[:3] == ["cuCtxGetCurrent() -> NULL", "cudaGetDevice() -> 0", "cudaSetDevice(0)"]
+    assert calls[:3] == ["cudaGetDevice() -> 0", "cuCtxGetCurrent() -> NULL", "cudaSetDevice(0)"]
     assert calls[-1] == "cuCtxSetCurrent(NULL)"
+    assert cudart.context_device == -1
+
+
+def test_driver_not_initialized_means_no_context(cudart):
+    """cuCtxGetCurrent before the driver is initialized answers CUDA_ERROR_NOT_INITIALIZED: no context, so the
+    conversion goes on and leaves the thread without one."""
+    host = np.zeros(4, dtype=np.float32)
+    register(cudart, host, DEVICE, device=2)
+    cudart.drop_context(0)
+    cudart.fail("cuCtxGetCurrent", 3)  # the first call only: the one that saves the caller's context
+    assert cai2dlpack(CaiArray(host, stream=S1), stream=S2) is not None
+    assert stream_calls(cudart.log())[-1] == "cuCtxSetCurrent(NULL)"
     assert cudart.context_device == -1
 
 
@@ -67,7 +79,7 @@ def test_current_context_on_the_data_device_is_not_touched(cudart):
     cudart.current_device = 3
     cai2dlpack(CaiArray(host, stream=S1), stream=S2)
     calls = stream_calls(cudart.log())
-    assert calls[:2] == ["cuCtxGetCurrent() -> ctx3", "cudaGetDevice() -> 3"]
+    assert calls[:2] == ["cudaGetDevice() -> 3", "cuCtxGetCurrent() -> ctx3"]
     assert not any(call.startswith(("cudaSetDevice", "cuCtxSetCurrent")) for call in calls)
     assert cudart.context_device == 3
 
@@ -98,7 +110,7 @@ def test_pinned_and_managed_events_go_on_the_stream_device(cudart, kind):
     cai2dlpack(CaiArray(host, stream=S1), stream=S2)
     calls = stream_calls(cudart.log())
     assert calls[0] == f"cudaStreamGetDevice({S1}) -> 3"
-    assert calls[1:5] == ["cuCtxGetCurrent() -> ctx0", "cudaGetDevice() -> 0", "cudaSetDevice(3)",
+    assert calls[1:5] == ["cudaGetDevice() -> 0", "cuCtxGetCurrent() -> ctx0", "cudaSetDevice(3)",
                           "cuCtxGetCurrent() -> ctx3"]
     assert calls[5:] == [f"cudaEventRecord(ev, {S1})", f"cudaStreamWaitEvent({S2}, ev, 0)", "cuCtxSetCurrent(ctx0)"]
     assert cudart.context_device == 0
@@ -173,7 +185,7 @@ def test_runtime_12_0_uses_the_unversioned_entry_point_and_the_allocation_device
     lines = run_older_runtime(path, kind="MANAGED")
     assert "cudaGetDriverEntryPoint(cuCtxGetCurrent)" in lines
     lines = [line for line in lines if not line.startswith(("cudaGetDriverEntryPoint", "cudaGetLastError"))]
-    assert lines == ["cuCtxGetCurrent() -> ctx2", "cudaGetDevice() -> 2", "cudaSetDevice(1)",
+    assert lines == ["cudaGetDevice() -> 2", "cuCtxGetCurrent() -> ctx2", "cudaSetDevice(1)",
                      "cuCtxGetCurrent() -> ctx1", "cuCtxGetId(ctx1) -> 0",
                      "cudaEventRecord(ev, 20480)", "cudaStreamWaitEvent(24576, ev, 0)", "cuCtxSetCurrent(ctx2)",
                      "current 2 2"]

@@ -26,7 +26,7 @@ def expected_calls(producer, consumer, data_device, current_device):
     consumer_stream = 1 if consumer is None else consumer
     if producer is None or consumer_stream == -1 or producer == consumer_stream:
         return []
-    calls = [f"cuCtxGetCurrent() -> ctx{current_device}", f"cudaGetDevice() -> {current_device}"]
+    calls = [f"cudaGetDevice() -> {current_device}", f"cuCtxGetCurrent() -> ctx{current_device}"]
     if data_device != current_device:
         calls += [f"cudaSetDevice({data_device})", f"cuCtxGetCurrent() -> ctx{data_device}"]
     calls.append(f"cuCtxGetId(ctx{data_device}) -> 0")  # the pooled event's context is still the current one
