@@ -240,8 +240,10 @@ static int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned *
     }
     else if (type == kDLCUDA || type == kDLCUDAHost || type == kDLCUDAManaged) {
         const cdl_cudart *rt = cdl_cudart_get_any_thread(); /* a consumer's first call may be this one */
+        /* Device memory is made in its device's context; pinned and managed memory, which any device
+         * may use, in the caller's (entering device 0's would make a context there). */
         cdl_device_scope scope = {0};
-        int status = rt ? cdl_device_enter(rt, prototype->device.device_id, &scope) : -1;
+        int status = rt == NULL ? -1 : type == kDLCUDA ? cdl_device_enter(rt, prototype->device.device_id, &scope) : 0;
         const char *failed = scope.failed_call;
         int in_driver = scope.failed_in_driver;
         if (status == 0) {

@@ -42,15 +42,15 @@ static const char *cdl_resolve_symbols(void *handle, cdl_cudart *table)
     return NULL;
 }
 
-/* The entry points newer runtimes and drivers have, NULL where they lack them: cudaStreamGetDevice
- * (runtime 12.8), and the driver's context and error-name calls through the runtime's entry-point
- * query (cudaGetDriverEntryPointByVersion since 12.5, cudaGetDriverEntryPoint before; both answer
- * NULL for a symbol the driver lacks, and an error without a driver). */
-static void cdl_resolve_optional(void *handle, cdl_cudart *table)
+/* The driver's calls, through the runtime's entry-point query (cudaGetDriverEntryPointByVersion since
+ * 12.5, cudaGetDriverEntryPoint before): NULL for a symbol the driver lacks, and all of the context
+ * calls NULL unless every one of them is there. The query needs a driver; without one it fails and
+ * sets the runtime's last error, which is then cleared (only then: a pending error of another
+ * framework's is not ours to clear). */
+static void cdl_resolve_driver(void *handle, cdl_cudart *table)
 {
     typedef cudaError_t (*by_version_fn)(const char *, void **, unsigned int, unsigned long long, int *);
     typedef cudaError_t (*unversioned_fn)(const char *, void **, unsigned long long, int *);
-    *(void **)&table->stream_get_device = dlsym(handle, "cudaStreamGetDevice");
     by_version_fn by_version;
     unversioned_fn unversioned;
     *(void **)&by_version = dlsym(handle, "cudaGetDriverEntryPointByVersion");
@@ -60,23 +60,38 @@ static void cdl_resolve_optional(void *handle, cdl_cudart *table)
         const char *symbol;
     } wanted[] = {
         {(void **)&table->cu_ctx_get_current, "cuCtxGetCurrent"},
-        {(void **)&table->cu_ctx_set_current, "cuCtxSetCurrent"},
+        {(void **)&table->cu_ctx_push_current, "cuCtxPushCurrent"},
+        {(void **)&table->cu_ctx_pop_current, "cuCtxPopCurrent"},
+        {(void **)&table->cu_device_get, "cuDeviceGet"},
+        {(void **)&table->cu_primary_ctx_retain, "cuDevicePrimaryCtxRetain"},
+        {(void **)&table->cu_primary_ctx_release, "cuDevicePrimaryCtxRelease"},
+        {(void **)&table->cu_primary_ctx_get_state, "cuDevicePrimaryCtxGetState"},
+        {(void **)&table->cu_stream_get_ctx, "cuStreamGetCtx"},
         {(void **)&table->cu_ctx_get_id, "cuCtxGetId"},
         {(void **)&table->cu_get_error_name, "cuGetErrorName"},
         {(void **)&table->cu_get_error_string, "cuGetErrorString"},
     };
+    const size_t context_calls = 9; /* the first nine: all or none */
+    int failed = 0;
     for (size_t i = 0; i < sizeof(wanted) / sizeof(wanted[0]); i++) {
         void *function = NULL;
         int found = 0;
         cudaError_t status = by_version   ? by_version(wanted[i].symbol, &function, 12000, 0, &found)
                              : unversioned ? unversioned(wanted[i].symbol, &function, 0, &found)
-                                           : cudaErrorNotSupported;
+                                           : cudaSuccess;
+        failed |= status != cudaSuccess;
         int usable = status == cudaSuccess && found == 0 /* cudaDriverEntryPointSuccess */ && function != NULL;
         *wanted[i].slot = usable ? function : NULL;
     }
-    if (table->cu_ctx_get_current == NULL || table->cu_ctx_set_current == NULL)
-        table->cu_ctx_get_current = NULL, table->cu_ctx_set_current = NULL, table->cu_ctx_get_id = NULL;
-    (void)table->get_last_error(); /* an entry-point query that failed must not leave an error behind */
+    for (size_t i = 0; i < context_calls; i++) {
+        if (*wanted[i].slot == NULL) {
+            for (size_t j = 0; j < context_calls; j++)
+                *wanted[j].slot = NULL;
+            break;
+        }
+    }
+    if (failed)
+        (void)table->get_last_error();
 }
 
 /* Tries one path; on success fills the table and returns 1. Appends what happened to tried, except
@@ -113,7 +128,7 @@ static int cdl_try_open(const char *path, int loaded_only, char *tried, size_t t
         dlclose(handle);
         return 0;
     }
-    cdl_resolve_optional(handle, &table);
+    cdl_resolve_driver(handle, &table);
     cdl_runtime = table;
     snprintf(cdl_runtime_path, sizeof(cdl_runtime_path), "%s", path);
     cdl_runtime_loaded = 1;
@@ -287,24 +302,84 @@ static int cdl_scope_failed(cdl_device_scope *scope, const char *call, int code,
     return code;
 }
 
-int cdl_device_enter(const cdl_cudart *rt, int device, cdl_device_scope *scope)
+/* The context current now: NULL when there is none, including before the driver is initialized
+ * (CUDA_ERROR_NOT_INITIALIZED, 3). Returns 0 or the driver's error. */
+static int cdl_current_context(const cdl_cudart *rt, void **context)
+{
+    *context = NULL;
+    int code = rt->cu_ctx_get_current(context);
+    if (code == 3)
+        *context = NULL;
+    return code == 3 ? 0 : code;
+}
+
+static void cdl_scope_start(cdl_device_scope *scope)
 {
     scope->switched = 0;
-    scope->previous_context = NULL;
-    int by_context = rt->cu_ctx_get_current != NULL, code;
-    /* First the runtime, which initializes the driver on first use: without a current context
-     * cudaGetDevice answers 0 (or the last device set) and creates none. */
-    if ((code = rt->get_device(&scope->previous_device)) != cudaSuccess)
+    scope->retained = -1;
+    scope->previous_device = -1;
+    scope->context = NULL;
+}
+
+int cdl_device_enter(const cdl_cudart *rt, int device, cdl_device_scope *scope)
+{
+    cdl_scope_start(scope);
+    /* The runtime first: it initializes the driver on first use. Without a current context
+     * cudaGetDevice answers the runtime's device setting and creates nothing. */
+    int code = rt->get_device(&scope->previous_device);
+    if (code != cudaSuccess)
         return cdl_scope_failed(scope, "cudaGetDevice", code, 0);
-    /* A driver not initialized yet (CUDA_ERROR_NOT_INITIALIZED) has no current context either. */
-    if (by_context && (code = rt->cu_ctx_get_current(&scope->previous_context)) != 0 && code != 3)
-        return cdl_scope_failed(scope, "cuCtxGetCurrent", code, 1);
-    if (code == 3)
-        scope->previous_context = NULL;
-    if (scope->previous_device == device && (!by_context || scope->previous_context != NULL))
+    if (rt->cu_ctx_push_current == NULL) {
+        if (scope->previous_device == device)
+            return 0;
+        if ((code = rt->set_device(device)) != cudaSuccess)
+            return cdl_scope_failed(scope, "cudaSetDevice", code, 0);
+        scope->switched = 1;
         return 0;
-    if ((code = rt->set_device(device)) != cudaSuccess)
-        return cdl_scope_failed(scope, "cudaSetDevice", code, 0);
+    }
+    void *current;
+    if ((code = cdl_current_context(rt, &current)) != 0)
+        return cdl_scope_failed(scope, "cuCtxGetCurrent", code, 1);
+    if (current != NULL && scope->previous_device == device) {
+        scope->context = current;
+        return 0;
+    }
+    int handle, active = 0;
+    unsigned flags;
+    if ((code = rt->cu_device_get(&handle, device)) != 0)
+        return cdl_scope_failed(scope, "cuDeviceGet", code, 1);
+    if ((code = rt->cu_primary_ctx_get_state(handle, &flags, &active)) != 0)
+        return cdl_scope_failed(scope, "cuDevicePrimaryCtxGetState", code, 1);
+    void *primary;
+    if ((code = rt->cu_primary_ctx_retain(&primary, handle)) != 0)
+        return cdl_scope_failed(scope, "cuDevicePrimaryCtxRetain", code, 1);
+    if ((code = rt->cu_ctx_push_current(primary)) != 0) {
+        if (active)
+            (void)rt->cu_primary_ctx_release(handle);
+        return cdl_scope_failed(scope, "cuCtxPushCurrent", code, 1);
+    }
+    /* A primary context nobody held (we just made it) stays retained, as the runtime keeps the ones
+     * it makes: releasing it would destroy it, with any memory or event made in it. */
+    scope->retained = active ? handle : -1;
+    scope->switched = 1;
+    scope->context = primary;
+    return 0;
+}
+
+int cdl_context_enter(const cdl_cudart *rt, void *context, cdl_device_scope *scope)
+{
+    cdl_scope_start(scope);
+    int code = rt->get_device(&scope->previous_device); /* initializes the driver, as above */
+    if (code != cudaSuccess)
+        return cdl_scope_failed(scope, "cudaGetDevice", code, 0);
+    void *current;
+    if ((code = cdl_current_context(rt, &current)) != 0)
+        return cdl_scope_failed(scope, "cuCtxGetCurrent", code, 1);
+    scope->context = context;
+    if (current == context)
+        return 0;
+    if ((code = rt->cu_ctx_push_current(context)) != 0)
+        return cdl_scope_failed(scope, "cuCtxPushCurrent", code, 1);
     scope->switched = 1;
     return 0;
 }
@@ -315,13 +390,19 @@ int cdl_device_leave(const cdl_cudart *rt, cdl_device_scope *scope)
         return 0;
     scope->switched = 0;
     int code;
-    if (rt->cu_ctx_set_current != NULL) {
-        if ((code = rt->cu_ctx_set_current(scope->previous_context)) != 0)
-            return cdl_scope_failed(scope, "cuCtxSetCurrent", code, 1);
+    if (rt->cu_ctx_push_current == NULL) {
+        if ((code = rt->set_device(scope->previous_device)) != cudaSuccess)
+            return cdl_scope_failed(scope, "cudaSetDevice", code, 0);
+        return 0;
     }
-    else if ((code = rt->set_device(scope->previous_device)) != cudaSuccess) {
-        return cdl_scope_failed(scope, "cudaSetDevice", code, 0);
-    }
+    void *popped;
+    code = rt->cu_ctx_pop_current(&popped);
+    int released = scope->retained >= 0 ? rt->cu_primary_ctx_release(scope->retained) : 0;
+    scope->retained = -1;
+    if (code != 0)
+        return cdl_scope_failed(scope, "cuCtxPopCurrent", code, 1);
+    if (released != 0)
+        return cdl_scope_failed(scope, "cuDevicePrimaryCtxRelease", released, 1);
     return 0;
 }
 

@@ -25,33 +25,42 @@ typedef struct cdl_cudart {
     cudaError_t (*malloc_host)(void **, size_t);
     cudaError_t (*free_host)(void *);
     cudaError_t (*malloc_managed)(void **, size_t, unsigned int);
-    /* Optional, NULL where the runtime or the driver lacks them. The runtime's since CUDA 12.8: */
-    cudaError_t (*stream_get_device)(cudaStream_t, int *);
-    /* The driver's, handed out by cudaGetDriverEntryPoint[ByVersion] (no libcuda of our own): the
-     * current context, saved and put back exactly, and the names of its error codes. */
+    /* The driver's, handed out by cudaGetDriverEntryPoint[ByVersion] (no libcuda of our own); NULL
+     * where the driver cannot. A context is made current by pushing it and put back by popping it,
+     * so the runtime's own device setting is never touched. */
     int (*cu_ctx_get_current)(void **);
-    int (*cu_ctx_set_current)(void *);
+    int (*cu_ctx_push_current)(void *);
+    int (*cu_ctx_pop_current)(void **);
+    int (*cu_device_get)(int *, int);
+    int (*cu_primary_ctx_retain)(void **, int);
+    int (*cu_primary_ctx_release)(int);
+    int (*cu_primary_ctx_get_state)(int, unsigned *, int *);
+    int (*cu_stream_get_ctx)(void *, void **);
     int (*cu_ctx_get_id)(void *, unsigned long long *); /* unique for the process's lifetime (CUDA 12.0) */
     int (*cu_get_error_name)(int, const char **);
     int (*cu_get_error_string)(int, const char **);
 } cdl_cudart;
 
-/* Makes a device current for a few runtime calls, then puts the caller's context back as it was:
- * through the driver's current context when the runtime hands it out, so a thread that had none
- * is left with none (cudaSetDevice(previous) would create a primary context, hundreds of MiB, on a
- * device the thread never used), else through cudaGetDevice/cudaSetDevice. No Python: any thread. */
+/* Makes a context current for a few runtime calls, then puts the caller's back as it was. With the
+ * driver's calls: a device's primary context (or a stream's own context) is retained and pushed, then
+ * popped and released, so a thread that had no context is left with none and the runtime's device
+ * setting is never changed (cudaSetDevice(previous) would make a primary context, hundreds of MiB, on
+ * a device the thread never used). Without them: cudaGetDevice/cudaSetDevice. No Python: any thread. */
 typedef struct {
-    int switched;
-    int previous_device;
-    void *previous_context;
+    int switched;         /* the scope pushed a context (or, without the driver, set a device) */
+    int retained;         /* the device whose primary context the scope retained, or -1 */
+    int previous_device;  /* the device cudaSetDevice puts back, without the driver */
+    void *context;        /* the context current inside the scope; NULL without the driver */
     /* The failed call, when enter or leave returns nonzero: its name, code and API. */
     const char *failed_call;
     int failed_code;
     int failed_in_driver;
 } cdl_device_scope;
 
-/* 0, or nonzero with scope->failed_* set (nothing switched). */
+/* Makes device's primary context current. 0, or nonzero with scope->failed_* set (nothing switched). */
 int cdl_device_enter(const cdl_cudart *rt, int device, cdl_device_scope *scope);
+/* Makes context current (driver calls required). Same contract. */
+int cdl_context_enter(const cdl_cudart *rt, void *context, cdl_device_scope *scope);
 /* Puts the caller's context back; 0, or nonzero with scope->failed_* set. */
 int cdl_device_leave(const cdl_cudart *rt, cdl_device_scope *scope);
 /* Raises CudaError for the scope's failed call. Returns -1. */

@@ -9,18 +9,20 @@
 int cdl_option_sync = 1;
 int cdl_option_export_stream = 1;
 
-/* One reusable event per device, and the id of the context it was made in. A stream that waits on an
- * event captures the event's state at cudaStreamWaitEvent time, so the event can be recorded again at
- * once; the GIL, held through record and wait, keeps two conversions from sharing one between those
- * calls. A device reset (cudaDeviceReset, cuDevicePrimaryCtxReset) destroys the context and its events:
- * the next conversion finds another context id and makes a new event rather than record a dead handle
- * (which fails, or worse, names an event someone made since). */
+/* Reusable events, one per context (keyed by the context's id, unique for the process's lifetime), or
+ * per device where the driver's calls are missing. A stream that waits on an event captures the
+ * event's state at cudaStreamWaitEvent time, so the event can be recorded again at once; the GIL,
+ * held through record and wait, keeps two conversions from sharing one between those calls. A
+ * device reset destroys a context and its events: the next conversion sees another id and makes a
+ * new event. At most CDL_POOL_LIMIT are kept; past that the oldest entry is given up (not destroyed:
+ * its context may be gone). */
 typedef struct {
+    unsigned long long key;
     cudaEvent_t event;
-    unsigned long long context_id;
 } cdl_pool_entry;
-static cdl_pool_entry *cdl_event_pool;
-static int cdl_event_pool_size;
+#define CDL_POOL_LIMIT 64
+static cdl_pool_entry cdl_event_pool[CDL_POOL_LIMIT];
+static int cdl_event_pool_used, cdl_event_pool_next;
 
 static int cdl_env_flag(const char *name, int fallback)
 {
@@ -63,43 +65,72 @@ int cdl_parse_stream(PyObject *value, const char *what, int consumer, int64_t *o
     return 0;
 }
 
-/* The pool's event of a device, made on first use or when the current context is not the one it was
- * made in. The device must be current, entered through scope. */
-static int cdl_pooled_event(const cdl_cudart *rt, int device, const cdl_device_scope *scope, cudaEvent_t *event)
+/* The pool key of the context current in scope: its id, or the device without the driver's calls. */
+static int cdl_pool_key(const cdl_cudart *rt, const cdl_device_scope *scope, int device, unsigned long long *key)
 {
-    if (device >= cdl_event_pool_size) {
-        int size = device + 1 > 8 ? device + 1 : 8;
-        cdl_pool_entry *grown = PyMem_RawRealloc(cdl_event_pool, (size_t)size * sizeof(cdl_pool_entry));
-        if (grown == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        memset(grown + cdl_event_pool_size, 0, (size_t)(size - cdl_event_pool_size) * sizeof(cdl_pool_entry));
-        cdl_event_pool = grown;
-        cdl_event_pool_size = size;
+    *key = (unsigned long long)device;
+    if (scope->context == NULL || rt->cu_ctx_get_id == NULL)
+        return 0;
+    int code = rt->cu_ctx_get_id(scope->context, key);
+    return code == 0 ? 0 : cdl_raise_driver_error("cuCtxGetId", code);
+}
+
+/* The pool's entry for key, or NULL. */
+static cdl_pool_entry *cdl_pool_find(unsigned long long key)
+{
+    for (int i = 0; i < cdl_event_pool_used; i++) {
+        if (cdl_event_pool[i].key == key)
+            return &cdl_event_pool[i];
     }
-    cdl_pool_entry *entry = &cdl_event_pool[device];
-    unsigned long long context_id = 0;
-    if (rt->cu_ctx_get_id != NULL) {
-        void *context = scope->previous_context; /* current, unless the scope switched */
-        int code = scope->switched ? rt->cu_ctx_get_current(&context) : 0;
-        if (code != 0)
-            return cdl_raise_driver_error("cuCtxGetCurrent", code);
-        if ((code = rt->cu_ctx_get_id(context, &context_id)) != 0)
-            return cdl_raise_driver_error("cuCtxGetId", code);
-        if (entry->event != NULL && entry->context_id != context_id)
-            entry->event = NULL; /* its context is gone (or not current): the event is not ours to use */
+    return NULL;
+}
+
+/* The pool's event for key, made when there is none. */
+static int cdl_pooled_event(const cdl_cudart *rt, unsigned long long key, cudaEvent_t *event)
+{
+    cdl_pool_entry *entry = cdl_pool_find(key);
+    if (entry != NULL) {
+        *event = entry->event;
+        return 0;
     }
-    if (entry->event == NULL) {
-        cudaError_t status = rt->event_create_with_flags(&entry->event, cudaEventDisableTiming);
-        if (status != cudaSuccess) {
-            entry->event = NULL;
-            return cdl_raise_cuda_error("cudaEventCreateWithFlags", status);
-        }
-        entry->context_id = context_id;
-    }
-    *event = entry->event;
+    cudaError_t status = rt->event_create_with_flags(event, cudaEventDisableTiming);
+    if (status != cudaSuccess)
+        return cdl_raise_cuda_error("cudaEventCreateWithFlags", status);
+    entry = &cdl_event_pool[cdl_event_pool_used < CDL_POOL_LIMIT ? cdl_event_pool_used++ : cdl_event_pool_next];
+    cdl_event_pool_next = (cdl_event_pool_next + 1) % CDL_POOL_LIMIT;
+    entry->key = key;
+    entry->event = *event;
     return 0;
+}
+
+/* Records event on the producer stream. A pooled event whose context was reset under the same id is a
+ * dead handle: the record is tried once more with a new event, which replaces it in the pool only if
+ * that record works (else the failure is the stream's, and the new event is destroyed: no leak). */
+static int cdl_record(const cdl_cudart *rt, unsigned long long key, int64_t producer, cudaEvent_t *event)
+{
+    cudaError_t status = rt->event_record(*event, (cudaStream_t)(uintptr_t)producer);
+    if (status == cudaErrorInvalidResourceHandle || status == cudaErrorContextIsDestroyed) {
+        (void)rt->get_last_error();
+        cudaEvent_t fresh;
+        cudaError_t made = rt->event_create_with_flags(&fresh, cudaEventDisableTiming);
+        if (made != cudaSuccess)
+            return cdl_raise_cuda_error("cudaEventCreateWithFlags", made);
+        cudaError_t again = rt->event_record(fresh, (cudaStream_t)(uintptr_t)producer);
+        if (again == cudaSuccess) {
+            cdl_pool_find(key)->event = *event = fresh;
+            return 0;
+        }
+        (void)rt->get_last_error();
+        (void)rt->event_destroy(fresh);
+    }
+    return status == cudaSuccess ? 0 : cdl_raise_cuda_error("cudaEventRecord", status);
+}
+
+/* Waits consumer on event; 0 or -1 with CudaError. */
+static int cdl_wait(const cdl_cudart *rt, int64_t consumer, cudaEvent_t event)
+{
+    cudaError_t status = rt->stream_wait_event((cudaStream_t)(uintptr_t)consumer, event, 0);
+    return status == cudaSuccess ? 0 : cdl_raise_cuda_error("cudaStreamWaitEvent", status);
 }
 
 int cdl_order_streams(const cdl_array *arr, int64_t consumer)
@@ -119,36 +150,39 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
     const cdl_cudart *rt = cdl_cudart_get();
     if (rt == NULL)
         return -1;
-    /* The event goes on the producer stream's device. For device memory that is the data's device;
-     * pinned and managed memory may be used from any device, so a stream handle is asked for its own
-     * (where the runtime can say) and the legacy and per-thread handles keep the allocation's. */
-    int event_device = arr->home_device;
-    if (device.device_type != kDLCUDA && producer > CDL_STREAM_PER_THREAD && rt->stream_get_device != NULL) {
-        cudaError_t status = rt->stream_get_device((cudaStream_t)(uintptr_t)producer, &event_device);
-        if (status != cudaSuccess)
-            return cdl_raise_cuda_error("cudaStreamGetDevice", status);
-    }
+    /* The event is recorded in the producer stream's context. Device memory: the data's device's (the
+     * array API's streams belong to the array's device). Pinned and managed memory, which any device
+     * may use: a stream handle's own context, and for the legacy and per-thread handles the
+     * allocation's device's. */
     cdl_device_scope scope;
-    if (cdl_device_enter(rt, event_device, &scope) != 0)
+    int entered;
+    if (device.device_type != kDLCUDA && producer > CDL_STREAM_PER_THREAD && rt->cu_stream_get_ctx != NULL) {
+        void *context;
+        int code = rt->cu_stream_get_ctx((void *)(uintptr_t)producer, &context);
+        if (code != 0)
+            return cdl_raise_driver_error("cuStreamGetCtx", code);
+        entered = cdl_context_enter(rt, context, &scope);
+    }
+    else {
+        entered = cdl_device_enter(rt, arr->home_device, &scope);
+    }
+    if (entered != 0)
         return cdl_raise_scope_error(&scope);
+    /* A legacy or per-thread consumer handle names the stream of the caller's device: for pinned and
+     * managed memory that is the caller's own context, so that wait comes after the scope is left. */
+    const int wait_outside = device.device_type != kDLCUDA && consumer <= CDL_STREAM_PER_THREAD;
     int result = -1;
+    unsigned long long key;
     cudaEvent_t event = NULL;
-    if (cdl_pooled_event(rt, event_device, &scope, &event) < 0)
+    if (cdl_pool_key(rt, &scope, arr->home_device, &key) < 0 || cdl_pooled_event(rt, key, &event) < 0 ||
+        cdl_record(rt, key, producer, &event) < 0)
         goto done;
-    cudaError_t status = rt->event_record(event, (cudaStream_t)(uintptr_t)producer);
-    if (status != cudaSuccess) {
-        cdl_raise_cuda_error("cudaEventRecord", status);
-        goto done;
-    }
-    status = rt->stream_wait_event((cudaStream_t)(uintptr_t)consumer, event, 0);
-    if (status != cudaSuccess) {
-        cdl_raise_cuda_error("cudaStreamWaitEvent", status);
-        goto done;
-    }
-    result = 0;
+    result = wait_outside ? 0 : cdl_wait(rt, consumer, event);
 done:
     if (cdl_device_leave(rt, &scope) != 0 && result == 0)
         result = cdl_raise_scope_error(&scope);
+    if (result == 0 && wait_outside)
+        result = cdl_wait(rt, consumer, event);
     return result;
 }
 

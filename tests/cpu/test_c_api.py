@@ -226,14 +226,27 @@ def test_exchange_allocator_puts_the_callers_context_back(cudart, example):
     assert view.device == (2, 3)
     assert cudart.context_device == -1 and cudart.primary_contexts == {3}
     assert [line for line in cudart.log() if line.startswith(("cuCtx", "cudaSetDevice", "cudaMalloc("))] == [
-        "cuCtxGetCurrent() -> NULL", "cudaSetDevice(3)", "cudaMalloc(16) -> ok", "cuCtxSetCurrent(NULL)"]
+        "cuCtxGetCurrent() -> NULL", "cuCtxPushCurrent(ctx3)", "cudaMalloc(16) -> ok",
+        "cuCtxPopCurrent() -> NULL current"]
+    assert cudart.current_device == 0  # the runtime's device setting is untouched
     del view
     # A failed restore refuses the memory it made: freed, and the driver's error named.
     cudart.current_device = 1
-    cudart.fail("cuCtxSetCurrent", 201)
-    with pytest.raises(RuntimeError, match="cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT"):
+    cudart.fail("cuCtxPopCurrent", 201)
+    with pytest.raises(RuntimeError, match="cuCtxPopCurrent failed: CUDA_ERROR_INVALID_CONTEXT"):
         example.exchange_allocate(DLPackView, (2, 32), (4,), (2, 3))
     assert cudart.log().count("cudaMalloc(16) -> ok") == 2 and cudart.log().count("cudaFree()") == 2
+
+
+def test_exchange_allocator_makes_pinned_and_managed_memory_in_the_callers_context(cudart, example):
+    """Pinned and managed tensors say device 0 (DLPack), but any device may use them: no context is pushed, so none
+    is made on device 0 for a caller working on device 2."""
+    cudart.drop_context(2)  # the runtime's device is 2; no context exists yet
+    for device_type in (3, 13):
+        view = example.exchange_allocate(DLPackView, (2, 32), (4,), (device_type, 0))
+        assert view.device == (device_type, 0)
+    assert not any(line.startswith(("cuCtxPush", "cudaSetDevice")) for line in cudart.log())
+    assert cudart.primary_contexts == {2}  # the runtime bound its own device's for the allocation; device 0 has none
 
 
 def test_exchange_allocator_is_a_consumers_first_call(cudart, example):

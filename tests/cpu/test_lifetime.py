@@ -147,7 +147,11 @@ def paths(cudart):
     unregistered = CaiArray(np.zeros(3))
 
     def cuda_failure():
-        cudart.fail("cudaEventRecord", 400)
+        cudart.fail("cudaEventRecord", 700)  # cudaErrorIllegalAddress: not a dead event, so not retried
+        expect(CudaError, cai2dlpack, device, stream=0x6000)()
+
+    def dead_handle_every_time():
+        cudart.fail("cudaEventRecord", 400, count=2)  # the retry with a new event fails too: it is destroyed
         expect(CudaError, cai2dlpack, device, stream=0x6000)()
 
     def bad_tensor():
@@ -158,6 +162,7 @@ def paths(cudart):
         "host legacy": lambda: cai2dlpack(host_owner),
         "host versioned": lambda: cai2dlpack(host_owner, max_version=(1, 0)),
         "device with streams": lambda: cai2dlpack(device, stream=0x6000, max_version=(1, 0)),
+        "event record refused twice": dead_handle_every_time,
         "dict with owner": lambda: cai2dlpack(device.__cuda_array_interface__, owner=host),
         "shim into numpy": lambda: np.from_dlpack(DLPackShim(host_owner)),
         # Producers that build a new interface dict on every access (NumPy itself, CuPy, Numba do).

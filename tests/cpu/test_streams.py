@@ -22,17 +22,20 @@ def ordering_calls(log):
 
 def expected_calls(producer, consumer, data_device, current_device):
     """The calls an event-ordered conversion must make (the pooled event is already made): the caller's
-    context is saved, the data's device made current if it is not, and the caller's context put back."""
+    context is read; the data device's primary context, if it is not the current one, retained and pushed;
+    the event found by the context's id, recorded and waited on; the context popped and released."""
     consumer_stream = 1 if consumer is None else consumer
     if producer is None or consumer_stream == -1 or producer == consumer_stream:
         return []
     calls = [f"cudaGetDevice() -> {current_device}", f"cuCtxGetCurrent() -> ctx{current_device}"]
-    if data_device != current_device:
-        calls += [f"cudaSetDevice({data_device})", f"cuCtxGetCurrent() -> ctx{data_device}"]
-    calls.append(f"cuCtxGetId(ctx{data_device}) -> 0")  # the pooled event's context is still the current one
-    calls += [f"cudaEventRecord(ev{{}}, {producer})", f"cudaStreamWaitEvent({consumer_stream}, ev{{}}, 0)"]
-    if data_device != current_device:
-        calls.append(f"cuCtxSetCurrent(ctx{current_device})")
+    switch = data_device != current_device
+    if switch:
+        calls += [f"cuDevicePrimaryCtxGetState({data_device}) -> 1", f"cuDevicePrimaryCtxRetain({data_device})",
+                  f"cuCtxPushCurrent(ctx{data_device})"]
+    calls += [f"cuCtxGetId(ctx{data_device}) -> 0", f"cudaEventRecord(ev{{}}, {producer})",
+              f"cudaStreamWaitEvent({consumer_stream}, ev{{}}, 0)"]
+    if switch:
+        calls += [f"cuCtxPopCurrent() -> ctx{current_device} current", f"cuDevicePrimaryCtxRelease({data_device})"]
     return calls
 
 
@@ -102,8 +105,9 @@ def test_events_are_pooled(cudart):
     for i in range(500):
         cai2dlpack(CaiArray(host, stream=S1 + (i % 7)), stream=S2)
     assert cudart.events_created - before <= 1
-    assert cudart.log().count("cudaSetDevice(1)") == 500
-    assert cudart.log().count("cuCtxSetCurrent(ctx0)") == 500
+    assert cudart.log().count("cuCtxPushCurrent(ctx1)") == 500
+    assert cudart.log().count("cuCtxPopCurrent() -> ctx0 current") == 500
+    assert not any(call.startswith("cudaSetDevice") for call in cudart.log())
 
 
 def test_event_made_on_data_device_without_timing(cudart):
@@ -114,11 +118,17 @@ def test_event_made_on_data_device_without_timing(cudart):
     creations = [i for i, call in enumerate(log) if call.startswith("cudaEventCreateWithFlags")]
     if creations:  # made here, not by an earlier test in this process
         assert log[creations[0]].startswith("cudaEventCreateWithFlags(0x2)")  # cudaEventDisableTiming
-        assert "cudaSetDevice(3)" in log[: creations[0]]
+        assert "cuCtxPushCurrent(ctx3)" in log[: creations[0]]
 
 
-@pytest.mark.parametrize("failing", ["cudaEventRecord", "cudaStreamWaitEvent", "cudaSetDevice", "cudaGetDevice",
-                                     "cuCtxGetCurrent"])
+FAILURES = {"cudaEventRecord": (700, "cudaErrorIllegalAddress"), "cudaStreamWaitEvent": (400, "cudaErrorInvalidResourceHandle"),
+            "cudaGetDevice": (400, "cudaErrorInvalidResourceHandle")}
+FAILURES.update({call: (201, "CUDA_ERROR_INVALID_CONTEXT") for call in
+                 ("cuCtxGetCurrent", "cuDevicePrimaryCtxRetain", "cuCtxPushCurrent", "cuCtxGetId",
+                  "cuDevicePrimaryCtxRelease")})
+
+
+@pytest.mark.parametrize("failing", sorted(FAILURES))
 def test_cuda_errors_leak_nothing_and_restore_the_device(cudart, failing):
     host = np.zeros(4)
     register(cudart, host, DEVICE, device=2)
@@ -127,12 +137,12 @@ def test_cuda_errors_leak_nothing_and_restore_the_device(cudart, failing):
     events = cudart.events_alive
     references = sys.getrefcount(obj)
     cudart.current_device = 1
-    code, name = (201, "CUDA_ERROR_INVALID_CONTEXT") if failing.startswith("cuCtx") else (400, "cudaErrorInvalidResourceHandle")
+    code, name = FAILURES[failing]
     cudart.fail(failing, code)
     with pytest.raises(CudaError, match=f"{failing} failed: {name}") as raised:
         cai2dlpack(obj, stream=S2)
     assert (raised.value.call, raised.value.code, raised.value.name) == (failing, code, name)
-    assert cudart.current_device == 1 and cudart.context_device == 1
+    assert cudart.current_device == 1 and cudart.context_device == 1 and cudart.lib.double_context_depth() == 1
     assert cudart.last_error == 0
     assert cudart.events_alive == events
     assert sys.getrefcount(obj) == references

@@ -21,6 +21,7 @@ def test_eight_threads_convert_the_same_object(cudart):
     host_array = np.arange(64.0)
     errors = []
     base = sys.getrefcount(device_object), sys.getrefcount(host_array)
+    events_before = cudart.events_created
 
     def work():
         try:
@@ -40,7 +41,7 @@ def test_eight_threads_convert_the_same_object(cudart):
     assert errors == []
     assert (sys.getrefcount(device_object), sys.getrefcount(host_array)) == base
     assert cudart.current_device == 0
-    assert cudart.events_created <= 8  # one pooled event per device, whatever the threads did
+    assert cudart.events_created - events_before <= 1  # one pooled event for device 1, whatever the threads did
 
 
 def run_script(body, timeout=60):

@@ -35,12 +35,17 @@ enum { SUCCESS = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, INVALID_RESOURCE_HA
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct { uintptr_t start; size_t size; int type; int device; } regions[MAX_REGIONS];
 static int region_count;
+/* The runtime's device setting (cudaSetDevice; what cudaGetDevice answers while no context is current). */
 static int current_device;
-/* The device whose primary context is current (-1: none, as on a thread that never used CUDA), and
- * the devices whose primary context exists (bit per device). cudaSetDevice makes one and makes it
- * current, as CUDA 12 does; calls that need a context bind the current device's when none is. */
+/* The driver's context stack (device d's primary context is d); context_device is its top, -1 when
+ * empty (a thread that never used CUDA). cudaSetDevice makes the device's primary context the top, as
+ * CUDA 12 does, and the runtime holds it from then on; a call that needs a context binds the runtime
+ * device's when none is current. A primary context exists while the runtime or a retain holds it. */
+static int context_stack[16];
+static int stack_depth = 1;
 static int context_device;
-static unsigned primary_made = 1;
+static unsigned runtime_holds = 1;
+static int primary_retains[32];
 static struct { uintptr_t handle; int device; } streams[MAX_REGIONS];
 static int stream_count;
 static int device_count = 4;
@@ -112,12 +117,27 @@ static int event_id(cudaEvent_t event) { return (int)((uintptr_t)event - 0xE000)
 
 /* A runtime call that needs a context binds the current device's primary context when none is
  * current (lock held). */
+static void set_top_context(int device)
+{
+    if (stack_depth == 0)
+        stack_depth = 1;
+    context_stack[stack_depth - 1] = context_device = device;
+}
+
 static void bind_context(void)
 {
     if (context_device < 0) {
-        context_device = current_device;
-        primary_made |= 1u << current_device;
+        set_top_context(current_device);
+        runtime_holds |= 1u << current_device;
     }
+}
+
+static unsigned primary_active(void)
+{
+    unsigned active = runtime_holds;
+    for (int d = 0; d < 32; d++)
+        active |= primary_retains[d] > 0 ? 1u << d : 0;
+    return active;
 }
 
 /* ---- runtime API ------------------------------------------------------------------------------- */
@@ -176,9 +196,10 @@ API cudaError_t cudaGetDevice(int *device)
 {
     pthread_mutex_lock(&lock);
     int code = injected("cudaGetDevice");
+    int device_now = context_device >= 0 ? context_device : current_device;
     if (code == 0)
-        *device = current_device;
-    note("cudaGetDevice() -> %d", code == 0 ? current_device : -1);
+        *device = device_now;
+    note("cudaGetDevice() -> %d", code == 0 ? device_now : -1);
     pthread_mutex_unlock(&lock);
     return code;
 }
@@ -191,8 +212,9 @@ API cudaError_t cudaSetDevice(int device)
     if (code == 0 && (device < 0 || device >= device_count))
         code = last_error = INVALID_DEVICE;
     if (code == 0) {
-        current_device = context_device = device;
-        primary_made |= 1u << device;
+        current_device = device;
+        set_top_context(device);
+        runtime_holds |= 1u << device;
     }
     pthread_mutex_unlock(&lock);
     return code;
@@ -270,9 +292,12 @@ API cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
     int code = injected("cudaEventRecord");
     if (code == 0)
         bind_context();
-    /* The runtime refuses an event recorded while another device is current. */
+    /* The runtime refuses an event of another context, or a stream of another one. */
     if (code == 0 && (id <= 0 || id >= MAX_EVENTS || event_device[id] != context_device + 1))
         code = last_error = INVALID_RESOURCE_HANDLE;
+    for (int i = 0; code == 0 && i < stream_count; i++)
+        if (streams[i].handle == (uintptr_t)stream && streams[i].device != context_device)
+            code = last_error = INVALID_RESOURCE_HANDLE;
     pthread_mutex_unlock(&lock);
     return code;
 }
@@ -298,28 +323,6 @@ API cudaError_t cudaStreamSynchronize(cudaStream_t stream)
 
 API cudaError_t cudaDeviceSynchronize(void) { return logged("cudaDeviceSynchronize()"); }
 
-#ifndef DOUBLE_CUDA_12_0
-/* The device of a stream the tests registered; the legacy and per-thread handles are the current
- * device's; any other handle is invalid. (CUDA 12.8.) */
-API cudaError_t cudaStreamGetDevice(cudaStream_t stream, int *device)
-{
-    pthread_mutex_lock(&lock);
-    uintptr_t handle = (uintptr_t)stream;
-    int code = injected("cudaStreamGetDevice"), found = -1;
-    if (code == 0 && (handle == 1 || handle == 2))
-        found = current_device;
-    for (int i = 0; code == 0 && i < stream_count; i++)
-        if (streams[i].handle == handle)
-            found = streams[i].device;
-    if (code == 0 && found < 0)
-        code = last_error = INVALID_RESOURCE_HANDLE;
-    if (code == 0)
-        *device = found;
-    note("cudaStreamGetDevice(%lu) -> %d", (unsigned long)handle, code == 0 ? found : -code);
-    pthread_mutex_unlock(&lock);
-    return code;
-}
-#endif
 
 /* Streams made here are 0x7000 + n on the current device. */
 API cudaError_t cudaStreamCreate(cudaStream_t *stream)
@@ -374,22 +377,108 @@ static int cuCtxGetCurrent(CUcontext *context)
     return code;
 }
 
-static int cuCtxSetCurrent(CUcontext context)
+static int context_argument(CUcontext context)
+{
+    int device = context == NULL ? -1 : (int)((uintptr_t)context - 0xC000);
+    return device >= 0 && device < device_count && (primary_active() >> device & 1) ? device : -1;
+}
+
+static int cuCtxPushCurrent(CUcontext context)
 {
     pthread_mutex_lock(&lock);
-    int device = context == NULL ? -1 : (int)((uintptr_t)context - 0xC000);
-    if (device < 0)
-        note("cuCtxSetCurrent(NULL)");
-    else
-        note("cuCtxSetCurrent(ctx%d)", device);
-    int code = injected("cuCtxSetCurrent");
-    if (code == 0 && device >= device_count)
+    int device = context_argument(context);
+    note("cuCtxPushCurrent(ctx%d)", device);
+    int code = injected("cuCtxPushCurrent");
+    if (code == 0 && (device < 0 || stack_depth == 16))
         code = 201; /* CUDA_ERROR_INVALID_CONTEXT */
+    if (code == 0)
+        context_stack[stack_depth++] = context_device = device;
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+static int cuCtxPopCurrent(CUcontext *context)
+{
+    pthread_mutex_lock(&lock);
+    int code = injected("cuCtxPopCurrent");
+    if (code == 0 && stack_depth == 0)
+        code = 201;
     if (code == 0) {
-        context_device = device;
-        if (device >= 0)
-            current_device = device;
+        int device = context_stack[--stack_depth];
+        if (context != NULL)
+            *context = CONTEXT_OF(device);
+        context_device = stack_depth > 0 ? context_stack[stack_depth - 1] : -1;
+        note(context_device < 0 ? "cuCtxPopCurrent() -> NULL current" : "cuCtxPopCurrent() -> ctx%d current",
+             context_device);
     }
+    else {
+        note("cuCtxPopCurrent() -> error %d", code);
+    }
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+static int cuDeviceGet(int *device, int ordinal)
+{
+    if (ordinal < 0 || ordinal >= device_count)
+        return 101; /* CUDA_ERROR_INVALID_DEVICE */
+    *device = ordinal;
+    return 0;
+}
+
+static int cuDevicePrimaryCtxRetain(CUcontext *context, int device)
+{
+    pthread_mutex_lock(&lock);
+    note("cuDevicePrimaryCtxRetain(%d)", device);
+    int code = injected("cuDevicePrimaryCtxRetain");
+    if (code == 0) {
+        primary_retains[device]++;
+        *context = CONTEXT_OF(device);
+    }
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+static int cuDevicePrimaryCtxRelease(int device)
+{
+    pthread_mutex_lock(&lock);
+    note("cuDevicePrimaryCtxRelease(%d)", device);
+    int code = injected("cuDevicePrimaryCtxRelease");
+    if (code == 0 && primary_retains[device] == 0)
+        code = 201;
+    if (code == 0 && --primary_retains[device] == 0 && !(runtime_holds >> device & 1))
+        reset_device(device); /* the last holder let go: the context and its events are destroyed */
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+static int cuDevicePrimaryCtxGetState(int device, unsigned *flags, int *active)
+{
+    pthread_mutex_lock(&lock);
+    *flags = 0;
+    *active = (int)(primary_active() >> device & 1);
+    note("cuDevicePrimaryCtxGetState(%d) -> %d", device, *active);
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+/* A registered stream's context is its device's; the legacy and per-thread handles are the current
+ * context's; any other handle is invalid. */
+static int cuStreamGetCtx(void *stream, CUcontext *context)
+{
+    pthread_mutex_lock(&lock);
+    uintptr_t handle = (uintptr_t)stream;
+    int code = injected("cuStreamGetCtx"), found = -1;
+    if (code == 0 && (handle == 1 || handle == 2))
+        found = context_device;
+    for (int i = 0; code == 0 && i < stream_count; i++)
+        if (streams[i].handle == handle)
+            found = streams[i].device;
+    if (code == 0 && found < 0)
+        code = 400; /* CUDA_ERROR_INVALID_HANDLE */
+    if (code == 0)
+        *context = CONTEXT_OF(found);
+    note("cuStreamGetCtx(%lu) -> %d", (unsigned long)handle, code == 0 ? found : -code);
     pthread_mutex_unlock(&lock);
     return code;
 }
@@ -414,13 +503,16 @@ static int cuCtxGetId(CUcontext context, unsigned long long *id)
 
 static int cuGetErrorName(int code, const char **name)
 {
-    *name = code == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : code == 2 ? "CUDA_ERROR_OUT_OF_MEMORY" : NULL;
+    *name = code == 201   ? "CUDA_ERROR_INVALID_CONTEXT"
+            : code == 2   ? "CUDA_ERROR_OUT_OF_MEMORY"
+            : code == 400 ? "CUDA_ERROR_INVALID_HANDLE"
+                          : NULL;
     return *name ? 0 : 1;
 }
 
 static int cuGetErrorString(int code, const char **text)
 {
-    *text = code == 201 ? "invalid device context" : code == 2 ? "out of memory" : NULL;
+    *text = code == 201 ? "invalid device context" : code == 2 ? "out of memory" : code == 400 ? "invalid resource handle" : NULL;
     return *text ? 0 : 1;
 }
 
@@ -434,8 +526,20 @@ static cudaError_t entry_point(const char *symbol, void **function, int *status)
         return last_error = NOT_SUPPORTED;
     if (strcmp(symbol, "cuCtxGetCurrent") == 0)
         *function = (void *)cuCtxGetCurrent;
-    else if (strcmp(symbol, "cuCtxSetCurrent") == 0)
-        *function = (void *)cuCtxSetCurrent;
+    else if (strcmp(symbol, "cuCtxPushCurrent") == 0)
+        *function = (void *)cuCtxPushCurrent;
+    else if (strcmp(symbol, "cuCtxPopCurrent") == 0)
+        *function = (void *)cuCtxPopCurrent;
+    else if (strcmp(symbol, "cuDeviceGet") == 0)
+        *function = (void *)cuDeviceGet;
+    else if (strcmp(symbol, "cuDevicePrimaryCtxRetain") == 0)
+        *function = (void *)cuDevicePrimaryCtxRetain;
+    else if (strcmp(symbol, "cuDevicePrimaryCtxRelease") == 0)
+        *function = (void *)cuDevicePrimaryCtxRelease;
+    else if (strcmp(symbol, "cuDevicePrimaryCtxGetState") == 0)
+        *function = (void *)cuDevicePrimaryCtxGetState;
+    else if (strcmp(symbol, "cuStreamGetCtx") == 0)
+        *function = (void *)cuStreamGetCtx;
     else if (strcmp(symbol, "cuCtxGetId") == 0)
         *function = (void *)cuCtxGetId;
     else if (strcmp(symbol, "cuGetErrorName") == 0)
@@ -549,7 +653,10 @@ API void double_reset(void)
     pthread_mutex_lock(&lock);
     region_count = failure_count = stream_count = 0;
     current_device = context_device = last_error = 0;
-    primary_made = 1;
+    context_stack[0] = 0;
+    stack_depth = 1;
+    runtime_holds = 1;
+    memset(primary_retains, 0, sizeof(primary_retains));
     device_count = 4;
     log_length = 0;
     log_text[0] = '\0';
@@ -601,8 +708,9 @@ API int double_current_device(void) { return current_device; }
 /* Device made current with its primary context, as cudaSetDevice would (no log entry). */
 API void double_set_current_device(int device)
 {
-    current_device = context_device = device;
-    primary_made |= 1u << device;
+    current_device = device;
+    set_top_context(device);
+    runtime_holds |= 1u << device;
 }
 /* A thread, and a process, that never used CUDA: no context current, no primary context made;
  * cudaGetDevice answers device. */
@@ -610,7 +718,8 @@ API void double_drop_context(int device)
 {
     current_device = device;
     context_device = -1;
-    primary_made = 0;
+    stack_depth = 0;
+    runtime_holds = 0;
 }
 API int double_context_device(void) { return context_device; }
 /* A reset of device: its primary context and every event made in it are destroyed (lock held). */
@@ -631,13 +740,15 @@ API void double_reset_device(int device)
     reset_device(device);
     pthread_mutex_unlock(&lock);
 }
-API unsigned double_primary_contexts(void) { return primary_made; }
+API unsigned double_primary_contexts(void) { return primary_active(); }
+API int double_context_depth(void) { return stack_depth; }
 API int double_add_stream(uintptr_t handle, int device)
 {
     pthread_mutex_lock(&lock);
     int ok = stream_count < MAX_REGIONS;
-    if (ok)
-        streams[stream_count].handle = handle, streams[stream_count].device = device, stream_count++;
+    if (ok) /* a stream made in the device's primary context, which the runtime then holds */
+        streams[stream_count].handle = handle, streams[stream_count].device = device, stream_count++,
+        runtime_holds |= 1u << device;
     pthread_mutex_unlock(&lock);
     return ok ? 0 : -1;
 }

@@ -14,7 +14,7 @@ UNREGISTERED, PINNED_HOST, DEVICE, MANAGED = 0, 1, 2, 3
 
 def build(directory=None, cuda_12_0=False):
     """Compiles the double into a shared library and returns its path. cuda_12_0: a runtime without
-    the calls CUDA 12.5 and 12.8 added (cudaGetDriverEntryPointByVersion, cudaStreamGetDevice)."""
+    cudaGetDriverEntryPointByVersion (CUDA 12.5), whose driver calls come through cudaGetDriverEntryPoint."""
     directory = directory or tempfile.mkdtemp(prefix="cudart_double_")
     target = os.path.join(directory, "libcudart_double_12_0.so" if cuda_12_0 else "libcudart_double.so")
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
@@ -84,7 +84,7 @@ class CudaDouble:
         self.lib.double_reset_device(device)
 
     def add_stream(self, handle, device):
-        """A stream handle cudaStreamGetDevice answers with device."""
+        """A stream made in device's primary context (what cuStreamGetCtx answers; the runtime then holds it)."""
         assert self.lib.double_add_stream(handle, device) == 0
 
     @property
