@@ -161,13 +161,20 @@ def test_device_memory_never_asks_the_stream(cudart):
     assert not any(call.startswith("cuStreamGetCtx") for call in cudart.log())
 
 
-def test_a_device_reset_gets_a_new_event(cudart):
-    """A device reset destroys the context and the pooled event with it: the next conversion sees another context
-    id and makes a new event instead of recording a dead handle."""
+@pytest.fixture
+def pooled(cudart):
+    """A device-2 producer whose pooled event exists (converted once)."""
     host = np.zeros(4, dtype=np.float32)
     register(cudart, host, DEVICE, device=2)
     obj = CaiArray(host, stream=S1)
     cai2dlpack(obj, stream=S2)
+    return obj
+
+
+def test_a_device_reset_gets_a_new_event(cudart, pooled):
+    """A device reset destroys the context and the pooled event with it: the next conversion sees another context
+    id and makes a new event instead of recording a dead handle."""
+    obj = pooled
     before = cudart.events_created
     cai2dlpack(obj, stream=S2)
     assert cudart.events_created == before  # steady state: the pooled event
@@ -180,13 +187,10 @@ def test_a_device_reset_gets_a_new_event(cudart):
     assert cudart.events_created == before + 1
 
 
-def test_a_dead_event_under_the_same_context_id_is_replaced(cudart):
+def test_a_dead_event_under_the_same_context_id_is_replaced(cudart, pooled):
     """A reset that kept the context's id: the record of the pooled event fails as a dead handle, and is tried once
     more with a new event that takes its place in the pool."""
-    host = np.zeros(4, dtype=np.float32)
-    register(cudart, host, DEVICE, device=2)
-    obj = CaiArray(host, stream=S1)
-    cai2dlpack(obj, stream=S2)
+    obj = pooled
     before = cudart.events_created
     cudart.fail("cudaEventRecord", 400)
     cai2dlpack(obj, stream=S2)
@@ -195,13 +199,10 @@ def test_a_dead_event_under_the_same_context_id_is_replaced(cudart):
     assert cudart.events_created == before + 1
 
 
-def test_a_record_refused_twice_leaks_no_event(cudart):
+def test_a_record_refused_twice_leaks_no_event(cudart, pooled):
     """When the new event's record is refused too, the fault is the stream's: the error is raised and the new event
     destroyed, so a stream that always fails costs no event per call."""
-    host = np.zeros(4, dtype=np.float32)
-    register(cudart, host, DEVICE, device=2)
-    obj = CaiArray(host, stream=S1)
-    cai2dlpack(obj, stream=S2)
+    obj = pooled
     alive = cudart.events_alive
     for _ in range(3):
         cudart.fail("cudaEventRecord", 400, count=2)
