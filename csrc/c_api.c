@@ -198,12 +198,21 @@ static void cdl_free_made_tensor(DLManagedTensorVersioned *self)
         free(self->dl_tensor.data);
         break;
     case kDLCUDAHost:
-        if (rt)
-            rt->free_host(self->dl_tensor.data);
+        if (rt && rt->free_host(self->dl_tensor.data) != cudaSuccess)
+            (void)rt->get_last_error();
         break;
     default:
-        if (rt)
-            rt->free(self->dl_tensor.data);
+        if (rt) {
+            /* Device memory is freed in its device's context: on a thread with none, the runtime would
+             * otherwise bind (and make) its own device's primary context just for the free. */
+            cdl_device_scope scope;
+            int device_memory = self->dl_tensor.device.device_type == kDLCUDA;
+            int entered = device_memory ? cdl_device_enter(rt, self->dl_tensor.device.device_id, &scope) : 0;
+            if (rt->free(self->dl_tensor.data) != cudaSuccess)
+                (void)rt->get_last_error();
+            if (device_memory && entered == 0)
+                (void)cdl_device_leave(rt, &scope);
+        }
         break;
     }
     free(made);
@@ -253,7 +262,8 @@ static int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned *
             failed = type == kDLCUDA ? "cudaMalloc" : type == kDLCUDAHost ? "cudaMallocHost" : "cudaMallocManaged";
             if (status == 0 && cdl_device_leave(rt, &scope) != 0) {
                 /* The memory is made, but the caller's device could not be put back: refuse it. */
-                (void)(type == kDLCUDAHost ? rt->free_host(data) : rt->free(data));
+                if ((type == kDLCUDAHost ? rt->free_host(data) : rt->free(data)) != cudaSuccess)
+                    (void)rt->get_last_error();
                 status = scope.failed_code, failed = scope.failed_call, in_driver = scope.failed_in_driver;
             }
             else if (status != 0) {

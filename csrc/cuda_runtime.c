@@ -131,7 +131,9 @@ static int cdl_try_open(const char *path, int loaded_only, char *tried, size_t t
     cdl_resolve_driver(handle, &table);
     cdl_runtime = table;
     snprintf(cdl_runtime_path, sizeof(cdl_runtime_path), "%s", path);
-    cdl_runtime_loaded = 1;
+    /* Published with release order: a thread without the GIL (a deleter, the exchange allocator) that
+     * sees the flag sees the table. */
+    __atomic_store_n(&cdl_runtime_loaded, 1, __ATOMIC_RELEASE);
     return 1;
 }
 
@@ -169,11 +171,13 @@ static int cdl_try_wheels(char *tried, size_t tried_size)
     return found;
 }
 
-const cdl_cudart *cdl_cudart_loaded(void) { return cdl_runtime_loaded ? &cdl_runtime : NULL; }
+static int cdl_is_loaded(void) { return __atomic_load_n(&cdl_runtime_loaded, __ATOMIC_ACQUIRE); }
+
+const cdl_cudart *cdl_cudart_loaded(void) { return cdl_is_loaded() ? &cdl_runtime : NULL; }
 
 const cdl_cudart *cdl_cudart_get_any_thread(void)
 {
-    if (cdl_runtime_loaded)
+    if (cdl_is_loaded())
         return &cdl_runtime;
     if (!Py_IsInitialized() || cdl_interpreter_finalizing())
         return NULL;
@@ -189,7 +193,7 @@ const cdl_cudart *cdl_cudart_get_any_thread(void)
 
 const cdl_cudart *cdl_cudart_get(void)
 {
-    if (cdl_runtime_loaded)
+    if (cdl_is_loaded())
         return &cdl_runtime;
     char tried[4096] = "";
     const char *named = getenv("CAI_DLPACK_CUDART");
@@ -354,8 +358,7 @@ int cdl_device_enter(const cdl_cudart *rt, int device, cdl_device_scope *scope)
     if ((code = rt->cu_primary_ctx_retain(&primary, handle)) != 0)
         return cdl_scope_failed(scope, "cuDevicePrimaryCtxRetain", code, 1);
     if ((code = rt->cu_ctx_push_current(primary)) != 0) {
-        if (active)
-            (void)rt->cu_primary_ctx_release(handle);
+        (void)rt->cu_primary_ctx_release(handle); /* nothing was made in it */
         return cdl_scope_failed(scope, "cuCtxPushCurrent", code, 1);
     }
     /* A primary context nobody held (we just made it) stays retained, as the runtime keeps the ones

@@ -150,13 +150,13 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
     const cdl_cudart *rt = cdl_cudart_get();
     if (rt == NULL)
         return -1;
-    /* The event is recorded in the producer stream's context. Device memory: the data's device's (the
-     * array API's streams belong to the array's device). Pinned and managed memory, which any device
-     * may use: a stream handle's own context, and for the legacy and per-thread handles the
-     * allocation's device's. */
+    /* The event is recorded in the producer stream's context (event and stream must share one): a
+     * stream handle's own, and for the legacy and per-thread handles the primary context of the data's
+     * device (the array API's streams belong to the array's device), or for pinned and managed memory,
+     * which any device may use, of the allocation's. */
     cdl_device_scope scope;
     int entered;
-    if (device.device_type != kDLCUDA && producer > CDL_STREAM_PER_THREAD && rt->cu_stream_get_ctx != NULL) {
+    if (producer > CDL_STREAM_PER_THREAD && rt->cu_stream_get_ctx != NULL) {
         void *context;
         int code = rt->cu_stream_get_ctx((void *)(uintptr_t)producer, &context);
         if (code != 0)

@@ -41,10 +41,10 @@ def test_a_thread_without_context_is_left_without_one(cudart):
     host = np.zeros(4, dtype=np.float32)
     register(cudart, host, DEVICE, device=2)
     cudart.drop_context(0)
-    assert cai2dlpack(CaiArray(host, stream=S1), stream=S2) is not None
+    assert cai2dlpack(CaiArray(host, stream=1), stream=S2) is not None
     assert stream_calls(cudart.log()) == [
         "cudaGetDevice() -> 0", "cuCtxGetCurrent() -> NULL", "cuDevicePrimaryCtxGetState(2) -> 0",
-        "cuDevicePrimaryCtxRetain(2)", "cuCtxPushCurrent(ctx2)", f"cudaEventRecord(ev, {S1})",
+        "cuDevicePrimaryCtxRetain(2)", "cuCtxPushCurrent(ctx2)", "cudaEventRecord(ev, 1)",
         f"cudaStreamWaitEvent({S2}, ev, 0)", "cuCtxPopCurrent() -> NULL current"]
     assert cudart.context_device == -1 and cudart.lib.double_context_depth() == 0
     assert cudart.current_device == 0  # the runtime's device setting
@@ -55,7 +55,7 @@ def test_a_held_primary_context_is_released_again(cudart):
     host = np.zeros(4, dtype=np.float32)
     register(cudart, host, DEVICE, device=2)
     cudart.add_stream(0x7777, 2)  # device 2's primary context is in use (the runtime holds it)
-    cai2dlpack(CaiArray(host, stream=S1), stream=S2)
+    cai2dlpack(CaiArray(host, stream=1), stream=S2)
     calls = stream_calls(cudart.log())
     assert calls[2:5] == ["cuDevicePrimaryCtxGetState(2) -> 1", "cuDevicePrimaryCtxRetain(2)", "cuCtxPushCurrent(ctx2)"]
     assert calls[-2:] == ["cuCtxPopCurrent() -> ctx0 current", "cuDevicePrimaryCtxRelease(2)"]
@@ -67,7 +67,7 @@ def test_no_context_and_data_on_device_zero(cudart):
     host = np.zeros(4, dtype=np.float32)
     register(cudart, host, DEVICE, device=0)
     cudart.drop_context(0)
-    cai2dlpack(CaiArray(host, stream=S1), stream=S2)
+    cai2dlpack(CaiArray(host, stream=1), stream=S2)
     calls = stream_calls(cudart.log())
     assert calls[:2] == ["cudaGetDevice() -> 0", "cuCtxGetCurrent() -> NULL"]
     assert "cuCtxPushCurrent(ctx0)" in calls and calls[-1] == "cuCtxPopCurrent() -> NULL current"
@@ -81,7 +81,7 @@ def test_driver_not_initialized_means_no_context(cudart):
     register(cudart, host, DEVICE, device=2)
     cudart.drop_context(0)
     cudart.fail("cuCtxGetCurrent", 3)
-    assert cai2dlpack(CaiArray(host, stream=S1), stream=S2) is not None
+    assert cai2dlpack(CaiArray(host, stream=1), stream=S2) is not None
     assert stream_calls(cudart.log())[-1] == "cuCtxPopCurrent() -> NULL current"
     assert cudart.context_device == -1
 
@@ -90,9 +90,9 @@ def test_current_context_on_the_data_device_is_not_touched(cudart):
     host = np.zeros(4, dtype=np.float32)
     register(cudart, host, DEVICE, device=3)
     cudart.current_device = 3
-    cai2dlpack(CaiArray(host, stream=S1), stream=S2)
+    cai2dlpack(CaiArray(host, stream=1), stream=S2)
     calls = stream_calls(cudart.log())
-    assert calls == ["cudaGetDevice() -> 3", "cuCtxGetCurrent() -> ctx3", f"cudaEventRecord(ev, {S1})",
+    assert calls == ["cudaGetDevice() -> 3", "cuCtxGetCurrent() -> ctx3", "cudaEventRecord(ev, 1)",
                      f"cudaStreamWaitEvent({S2}, ev, 0)"]
     assert cudart.context_device == 3
 
@@ -100,7 +100,7 @@ def test_current_context_on_the_data_device_is_not_touched(cudart):
 def test_failed_pop_raises_and_frees_the_capsule(cudart):
     host = np.zeros(4, dtype=np.float32)
     register(cudart, host, DEVICE, device=2)
-    obj = CaiArray(host, stream=S1)
+    obj = CaiArray(host, stream=1)
     cai2dlpack(obj, stream=S2)  # the pooled event exists
     references = sys.getrefcount(obj)
     cudart.current_device = 1
@@ -147,18 +147,24 @@ def test_pinned_and_managed_with_the_legacy_stream_use_the_allocation_device(cud
 
 def test_stream_context_query_failure(cudart):
     host = np.zeros(4, dtype=np.float32)
-    register(cudart, host, MANAGED, device=1)  # S1 is not a stream the double knows: the query fails
+    register(cudart, host, MANAGED, device=1)
+    cudart.fail("cuStreamGetCtx", 400)  # a handle the driver does not know
     with pytest.raises(CudaError, match="cuStreamGetCtx failed: CUDA_ERROR_INVALID_HANDLE"):
         cai2dlpack(CaiArray(host, stream=S1), stream=S2)
     assert cudart.last_error == 0 and cudart.context_device == 0
     assert not any(call.startswith(("cuCtxPush", "cudaEventRecord")) for call in cudart.log())
 
 
-def test_device_memory_never_asks_the_stream(cudart):
+def test_device_memory_with_a_stream_handle_records_in_its_context(cudart):
+    """Device memory of device 1 produced on a stream of device 3 (peer access): the event goes in the stream's
+    context, the only one cudaEventRecord accepts for that stream."""
     host = np.zeros(4, dtype=np.float32)
     register(cudart, host, DEVICE, device=1)
+    cudart.add_stream(S1, 3)
     cai2dlpack(CaiArray(host, stream=S1), stream=S2)
-    assert not any(call.startswith("cuStreamGetCtx") for call in cudart.log())
+    calls = stream_calls(cudart.log())
+    assert calls[0] == f"cuStreamGetCtx({S1}) -> 3" and "cuCtxPushCurrent(ctx3)" in calls
+    assert not any("error" in call for call in cudart.log())
 
 
 @pytest.fixture
@@ -166,7 +172,7 @@ def pooled(cudart):
     """A device-2 producer whose pooled event exists (converted once)."""
     host = np.zeros(4, dtype=np.float32)
     register(cudart, host, DEVICE, device=2)
-    obj = CaiArray(host, stream=S1)
+    obj = CaiArray(host, stream=1)
     cai2dlpack(obj, stream=S2)
     return obj
 

@@ -21,21 +21,26 @@ def ordering_calls(log):
 
 
 def expected_calls(producer, consumer, data_device, current_device):
-    """The calls an event-ordered conversion must make (the pooled event is already made): the caller's
-    context is read; the data device's primary context, if it is not the current one, retained and pushed;
-    the event found by the context's id, recorded and waited on; the context popped and released."""
+    """The calls an event-ordered conversion must make (the pooled event is already made). A stream handle's own
+    context is asked for and pushed if it is not the current one; for the legacy and per-thread handles the data
+    device's primary context is (retained, pushed, popped, released). The event is found by the context's id."""
     consumer_stream = 1 if consumer is None else consumer
     if producer is None or consumer_stream == -1 or producer == consumer_stream:
         return []
-    calls = [f"cudaGetDevice() -> {current_device}", f"cuCtxGetCurrent() -> ctx{current_device}"]
     switch = data_device != current_device
+    handle = producer > 2
+    calls = [f"cuStreamGetCtx({producer}) -> {data_device}"] if handle else []
+    calls += [f"cudaGetDevice() -> {current_device}", f"cuCtxGetCurrent() -> ctx{current_device}"]
+    if switch and not handle:
+        calls += [f"cuDevicePrimaryCtxGetState({data_device}) -> 1", f"cuDevicePrimaryCtxRetain({data_device})"]
     if switch:
-        calls += [f"cuDevicePrimaryCtxGetState({data_device}) -> 1", f"cuDevicePrimaryCtxRetain({data_device})",
-                  f"cuCtxPushCurrent(ctx{data_device})"]
+        calls.append(f"cuCtxPushCurrent(ctx{data_device})")
     calls += [f"cuCtxGetId(ctx{data_device}) -> 0", f"cudaEventRecord(ev{{}}, {producer})",
               f"cudaStreamWaitEvent({consumer_stream}, ev{{}}, 0)"]
     if switch:
-        calls += [f"cuCtxPopCurrent() -> ctx{current_device} current", f"cuDevicePrimaryCtxRelease({data_device})"]
+        calls.append(f"cuCtxPopCurrent() -> ctx{current_device} current")
+    if switch and not handle:
+        calls.append(f"cuDevicePrimaryCtxRelease({data_device})")
     return calls
 
 
@@ -49,6 +54,8 @@ def strip_event_ids(calls):
 def device_array(cudart):
     host = np.arange(12, dtype=np.float32).reshape(3, 4)
     register(cudart, host, DEVICE, device=2)
+    cudart.add_stream(S1, 2)
+    cudart.add_stream(S2, 2)
     # Make the pooled event of device 2 once, so every case below sees the steady state.
     cai2dlpack(CaiArray(host, stream=S1), stream=S2)
     cudart.clear_log()
@@ -92,6 +99,7 @@ def test_dlpack2cai_stream_pairs(cudart, device_array, producer, consumer):
 def test_same_device_needs_no_device_switch(cudart):
     host = np.zeros(4)
     register(cudart, host, DEVICE, device=0)
+    cudart.add_stream(S1, 0)
     cai2dlpack(CaiArray(host, stream=S1), stream=S2)
     calls = strip_event_ids(ordering_calls(cudart.log()))
     assert "cudaSetDevice(0)" not in calls and "cudaSetDevice(2)" not in calls
@@ -101,6 +109,8 @@ def test_same_device_needs_no_device_switch(cudart):
 def test_events_are_pooled(cudart):
     host = np.zeros(4)
     register(cudart, host, DEVICE, device=1)
+    for i in range(7):
+        cudart.add_stream(S1 + i, 1)
     before = cudart.events_created
     for i in range(500):
         cai2dlpack(CaiArray(host, stream=S1 + (i % 7)), stream=S2)
@@ -113,6 +123,7 @@ def test_events_are_pooled(cudart):
 def test_event_made_on_data_device_without_timing(cudart):
     host = np.zeros(4)
     register(cudart, host, DEVICE, device=3)
+    cudart.add_stream(S1, 3)
     cai2dlpack(CaiArray(host, stream=S1), stream=S2)
     log = cudart.log()
     creations = [i for i, call in enumerate(log) if call.startswith("cudaEventCreateWithFlags")]
@@ -132,7 +143,9 @@ FAILURES.update({call: (201, "CUDA_ERROR_INVALID_CONTEXT") for call in
 def test_cuda_errors_leak_nothing_and_restore_the_device(cudart, failing):
     host = np.zeros(4)
     register(cudart, host, DEVICE, device=2)
-    obj = CaiArray(host, stream=S1)
+    cudart.add_stream(S2, 1)  # the consumer's stream, and device 2's primary context is in use
+    cudart.add_stream(0x7777, 2)
+    obj = CaiArray(host, stream=1)  # the legacy stream: device 2's primary context is retained and pushed
     cai2dlpack(obj, stream=S2)  # the pooled event exists
     events = cudart.events_alive
     references = sys.getrefcount(obj)
@@ -156,6 +169,7 @@ def test_event_creation_failure(cudart):
     host = np.zeros(4)
     cudart.lib.double_set_device_count(8)
     register(cudart, host, DEVICE, device=7)
+    cudart.add_stream(S1, 7)
     cudart.fail("cudaEventCreateWithFlags", 2)
     with pytest.raises(CudaError, match="cudaEventCreateWithFlags failed: cudaErrorMemoryAllocation"):
         cai2dlpack(CaiArray(host, stream=S1), stream=S2)

@@ -462,20 +462,20 @@ static int cuDevicePrimaryCtxGetState(int device, unsigned *flags, int *active)
     return 0;
 }
 
-/* A registered stream's context is its device's; the legacy and per-thread handles are the current
- * context's; any other handle is invalid. */
+/* A registered stream's context is its device's; any other handle (the legacy and per-thread ones,
+ * and the handles tests make up) is taken as a stream of the current context. */
 static int cuStreamGetCtx(void *stream, CUcontext *context)
 {
     pthread_mutex_lock(&lock);
     uintptr_t handle = (uintptr_t)stream;
     int code = injected("cuStreamGetCtx"), found = -1;
-    if (code == 0 && (handle == 1 || handle == 2))
-        found = context_device;
     for (int i = 0; code == 0 && i < stream_count; i++)
         if (streams[i].handle == handle)
             found = streams[i].device;
-    if (code == 0 && found < 0)
-        code = 400; /* CUDA_ERROR_INVALID_HANDLE */
+    if (code == 0 && found < 0) {
+        bind_context();
+        found = context_device;
+    }
     if (code == 0)
         *context = CONTEXT_OF(found);
     note("cuStreamGetCtx(%lu) -> %d", (unsigned long)handle, code == 0 ? found : -code);
