@@ -317,22 +317,30 @@ static int cdl_current_context(const cdl_cudart *rt, void **context)
     return code == 3 ? 0 : code;
 }
 
-static void cdl_scope_start(cdl_device_scope *scope)
+/* Starts a scope with nothing switched, and reads the caller's device and, with the driver's calls,
+ * its context. The runtime first: it initializes the driver on first use; without a current context
+ * cudaGetDevice answers the runtime's device setting and creates nothing. 0 or the failure. */
+static int cdl_scope_start(const cdl_cudart *rt, cdl_device_scope *scope, void **current)
 {
     scope->switched = 0;
     scope->retained = -1;
     scope->previous_device = -1;
     scope->context = NULL;
+    *current = NULL;
+    int code = rt->get_device(&scope->previous_device);
+    if (code != cudaSuccess)
+        return cdl_scope_failed(scope, "cudaGetDevice", code, 0);
+    if (rt->cu_ctx_push_current != NULL && (code = cdl_current_context(rt, current)) != 0)
+        return cdl_scope_failed(scope, "cuCtxGetCurrent", code, 1);
+    return 0;
 }
 
 int cdl_device_enter(const cdl_cudart *rt, int device, cdl_device_scope *scope)
 {
-    cdl_scope_start(scope);
-    /* The runtime first: it initializes the driver on first use. Without a current context
-     * cudaGetDevice answers the runtime's device setting and creates nothing. */
-    int code = rt->get_device(&scope->previous_device);
-    if (code != cudaSuccess)
-        return cdl_scope_failed(scope, "cudaGetDevice", code, 0);
+    void *current;
+    int code = cdl_scope_start(rt, scope, &current);
+    if (code != 0)
+        return code;
     if (rt->cu_ctx_push_current == NULL) {
         if (scope->previous_device == device)
             return 0;
@@ -341,9 +349,6 @@ int cdl_device_enter(const cdl_cudart *rt, int device, cdl_device_scope *scope)
         scope->switched = 1;
         return 0;
     }
-    void *current;
-    if ((code = cdl_current_context(rt, &current)) != 0)
-        return cdl_scope_failed(scope, "cuCtxGetCurrent", code, 1);
     if (current != NULL && scope->previous_device == device) {
         scope->context = current;
         return 0;
@@ -371,13 +376,10 @@ int cdl_device_enter(const cdl_cudart *rt, int device, cdl_device_scope *scope)
 
 int cdl_context_enter(const cdl_cudart *rt, void *context, cdl_device_scope *scope)
 {
-    cdl_scope_start(scope);
-    int code = rt->get_device(&scope->previous_device); /* initializes the driver, as above */
-    if (code != cudaSuccess)
-        return cdl_scope_failed(scope, "cudaGetDevice", code, 0);
     void *current;
-    if ((code = cdl_current_context(rt, &current)) != 0)
-        return cdl_scope_failed(scope, "cuCtxGetCurrent", code, 1);
+    int code = cdl_scope_start(rt, scope, &current);
+    if (code != 0)
+        return code;
     scope->context = context;
     if (current == context)
         return 0;
