@@ -56,16 +56,23 @@ static PyObject *fill_small(PyObject *self, PyObject *obj)
     return tensor_fields(&t);
 }
 
+/* The owning tensor of args (obj, stream) by to_managed_tensor; NULL with an exception set. */
+static DLManagedTensorVersioned *managed_of(PyObject *args, long long *stream)
+{
+    PyObject *obj;
+    DLManagedTensorVersioned *m;
+    if (!PyArg_ParseTuple(args, "OL", &obj, stream) || api->to_managed_tensor(obj, *stream, &m) < 0)
+        return NULL;
+    return m;
+}
+
 /* managed(obj, stream) -> fields of an owning tensor, whose deleter then runs */
 static PyObject *managed(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *obj;
     long long stream;
-    if (!PyArg_ParseTuple(args, "OL", &obj, &stream))
-        return NULL;
-    DLManagedTensorVersioned *m;
-    if (api->to_managed_tensor(obj, stream, &m) < 0)
+    DLManagedTensorVersioned *m = managed_of(args, &stream);
+    if (m == NULL)
         return NULL;
     PyObject *fields = tensor_fields(&m->dl_tensor);
     if (fields) {
@@ -83,14 +90,9 @@ static PyObject *managed(PyObject *self, PyObject *args)
 static PyObject *view(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *obj;
     long long stream;
-    if (!PyArg_ParseTuple(args, "OL", &obj, &stream))
-        return NULL;
-    DLManagedTensorVersioned *m;
-    if (api->to_managed_tensor(obj, stream, &m) < 0)
-        return NULL;
-    return api->view_from_managed_tensor(m, stream);
+    DLManagedTensorVersioned *m = managed_of(args, &stream);
+    return m == NULL ? NULL : api->view_from_managed_tensor(m, stream);
 }
 
 /* sum_float64(obj) -> the sum of a host float64 array of any layout: the "kernel" of this library */
