@@ -12,7 +12,7 @@ typedef struct {
     int read_only;
     int64_t stream;         /* the stream the producer made the data ready on; 0: none (no sync asked) */
     PyObject *shape;        /* tuple */
-    PyObject *strides;      /* tuple of byte strides, or None for C-contiguous */
+    PyObject *strides;      /* tuple of byte strides, or None for C-contiguous (always for empty arrays) */
     PyObject *typestr;
     PyObject *data;         /* (pointer, read_only) with byte_offset folded in; 0 when empty */
     Py_ssize_t *buffer_dims; /* shape, then byte strides, for the buffer protocol; made on first export */
@@ -100,6 +100,12 @@ static int cdl_view_describe(cdl_view *view)
                 return -1;
             PyTuple_SET_ITEM(view->strides, i, stride);
         }
+    }
+    if (count == 0 && view->strides != Py_None) {
+        /* An empty array has no element to stride to: describe it as C-contiguous. Consumers that size the
+         * memory from the strides (CuPy takes the largest shape * stride) would otherwise look up the null
+         * pointer the interface asks for here and fail. */
+        Py_SETREF(view->strides, Py_NewRef(Py_None));
     }
     uintptr_t address = count == 0 ? 0 : (uintptr_t)t->data + (uintptr_t)t->byte_offset;
     view->data = Py_BuildValue("(NO)", PyLong_FromVoidPtr((void *)address), view->read_only ? Py_True : Py_False);

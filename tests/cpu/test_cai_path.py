@@ -88,6 +88,19 @@ def test_zero_size_null_pointer_uses_current_device(cudart):
     assert view.__cuda_array_interface__["data"] == (0, False)
 
 
+def test_empty_view_is_c_contiguous_with_a_null_pointer(cudart):
+    """An empty array exports data 0 (CAI v3) and strides None: CuPy sizes interface memory as the largest
+    shape * stride, so spelled-out strides would make a (0, 6) array look 24 bytes long and CuPy would then ask
+    the runtime about the null pointer."""
+    host = np.zeros((4, 6), dtype=np.float32)
+    register(cudart, host, DEVICE)
+    capsule = cai2dlpack(CaiArray(host[:0]))
+    fields = read_capsule(capsule)
+    assert fields["strides"] == (6, 1)  # spelled out in the capsule
+    iface = dlpack2cai(capsule).__cuda_array_interface__
+    assert iface["data"] == (0, False) and iface["shape"] == (0, 6) and iface["strides"] is None
+
+
 def test_zero_d(cudart):
     host = np.array(3.5)
     register(cudart, host, DEVICE)
