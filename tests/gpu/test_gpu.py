@@ -219,6 +219,72 @@ def test_conversion_after_a_device_reset():
     assert child.stdout.strip() == "converted after a reset"
 
 
+def external_stream(handle):
+    """A CuPy stream object over a stream handle made elsewhere."""
+
+    class Foreign:
+        def __cuda_stream__(self):  # the CUDA stream protocol: (version, handle)
+            return (0, handle)
+
+    if hasattr(cupy.cuda.Stream, "from_external"):
+        return cupy.cuda.Stream.from_external(Foreign())
+    return cupy.cuda.ExternalStream(handle)  # CuPy before 14: deprecated since
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_green_context_producer_stream(sync):
+    """A stream of a green context (a share of the SMs) records the event in that context, the one cuStreamGetCtx
+    names, and the consumer in the primary context waits on it; the thread's context is left as it was. With
+    ordering switched off the consumer reads before the green stream's write: the race is real."""
+    driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
+    if not hasattr(driver, "cuGreenCtxStreamCreate"):
+        pytest.skip("this cuda-bindings has no green contexts")
+
+    def ok(result):
+        assert result[0] == driver.CUresult.CUDA_SUCCESS, result[0]
+        return result[1] if len(result) == 2 else result[1:]
+
+    # Load the fill and sum kernels first: a module load while the green stream spins would wait for the spin.
+    x = cupy.zeros(1 << 20, dtype=cupy.float32)
+    x.fill(0)
+    consumer = cupy.cuda.Stream(non_blocking=True)
+    with consumer:
+        float(x.sum())
+    version = ok(driver.cuDriverGetVersion())
+    if version < 12040:
+        pytest.skip(f"driver {version} has no green contexts (12.4 and later)")
+    device = ok(driver.cuDeviceGet(0))
+    sms = ok(driver.cuDeviceGetDevResource(device, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+    groups, _, _ = ok(driver.cuDevSmResourceSplitByCount(1, sms, 0, 8))
+    description = ok(driver.cuDevResourceGenerateDesc([groups[0]], 1))
+    green = ok(driver.cuGreenCtxCreate(description, device, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+    try:
+        handle = ok(driver.cuGreenCtxStreamCreate(green, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        primary = int(ok(driver.cuCtxGetCurrent()))
+        assert int(ok(driver.cuStreamGetCtx(handle))) == int(ok(driver.cuCtxFromGreenCtx(green))) != primary
+        spin = cupy.RawKernel(SPIN_KERNEL, "spin")
+        cupy.cuda.Device().synchronize()
+        with external_stream(int(handle)):
+            spin((1,), (1,), (np.int64(200_000_000),))
+            x.fill(7)
+        try:
+            cai_dlpack.options(sync=sync)
+            capsule = cai2dlpack(dict(x.__cuda_array_interface__, stream=int(handle)), owner=x, stream=consumer.ptr)
+        finally:
+            cai_dlpack.options(sync=True)
+        assert int(ok(driver.cuCtxGetCurrent())) == primary
+        with consumer:
+            total = float(cupy.asarray(dlpack2cai(capsule, stream=-1)).sum())
+        if sync:
+            assert total == 7.0 * x.size  # read after the green stream's write, not during its spin
+        else:
+            assert total < 7.0 * x.size
+        ok((driver.cuStreamDestroy(handle)[0], None))
+    finally:
+        cupy.cuda.Device().synchronize()
+        ok((driver.cuGreenCtxDestroy(green)[0], None))
+
+
 @pytest.mark.skipif("torch.cuda.device_count() < 2", reason="needs two GPUs")
 def test_second_device():
     with cupy.cuda.Device(1):
