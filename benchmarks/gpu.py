@@ -1,5 +1,6 @@
 """GPU benchmarks (run where a GPU is present): the shim and view paths against what users write today,
 and the host time of a conversion while the producer stream is busy."""
+import statistics
 import time
 
 import numpy as np
@@ -27,6 +28,9 @@ def groups():
         ("torch.from_dlpack(DLPackShim(cupy_array))", lambda: torch.from_dlpack(DLPackShim(c))),
         ("torch.as_tensor(cupy_array, device='cuda')", lambda: torch.as_tensor(c, device="cuda")),
         ("torch.from_dlpack(cupy_array)", lambda: torch.from_dlpack(c)),
+        # Not a path into torch: what the shim pays CuPy, twice (torch calls __dlpack_device__, then __dlpack__).
+        ("(part of the shim's cost) CuPy builds cupy_array.__cuda_array_interface__",
+         lambda: c.__cuda_array_interface__),
     ])]
     try:
         from numba import cuda as numba_cuda
@@ -54,15 +58,26 @@ def groups():
             print(f"cuda.core peer left out: {type(error).__name__}: {error}")
     result.append(("numba-cuda array -> torch", reference, rows))
     t = torch.zeros((1024, 1024), device="cuda")
+    # PyTorch's own interface is version 2, with no stream: Numba neither waits nor synchronizes for it. Ours
+    # exports the stream the data is ready on (1, the legacy stream, by default), which Numba synchronizes, and
+    # asks torch's __dlpack__ for that stream. The rows below split the cost between the two.
     result.append(("torch tensor -> numba-cuda", "numba.cuda.as_cuda_array(tensor)", [
         ("numba.cuda.as_cuda_array(dlpack2cai(tensor))", lambda: numba_cuda.as_cuda_array(dlpack2cai(t))),
+        ("numba.cuda.as_cuda_array(dlpack2cai(tensor, stream=-1)): no ordering asked, as with torch's own",
+         lambda: numba_cuda.as_cuda_array(dlpack2cai(t, stream=-1))),
         ("numba.cuda.as_cuda_array(tensor)", lambda: numba_cuda.as_cuda_array(t)),
+        ("(part of dlpack2cai's cost) torch's tensor.__dlpack__(stream=1)", lambda: t.__dlpack__(stream=1)),
+        ("(part of dlpack2cai's cost) torch's tensor.__dlpack__()", lambda: t.__dlpack__()),
     ]))
     return result
 
 
-def host_blocking(milliseconds=100):
-    """Host seconds of one conversion while the producer stream is busy, ours vs CuPy's and Numba's consumers."""
+def host_blocking(milliseconds=100, periods=7, conversions=200):
+    """Host microseconds of one conversion while the producer stream is busy, ours against CuPy's and Numba's
+    consumers. In each of several busy periods ours is timed right after the kernel launch (when every runtime
+    call costs more: the driver is still submitting the launch), then over a run of conversions while the
+    stream is still busy; beside it, one bare cudaEventRecord right after the launch, the floor of any event
+    ordering. The peers wait out the whole period: one sample each."""
     import cupy
 
     spin = cupy.RawKernel(SPIN_KERNEL, "spin")
@@ -81,28 +96,51 @@ def host_blocking(milliseconds=100):
             spin((1,), (1,), (np.int64(milliseconds * 1_000_000),))
         return Producer(x, stream), stream
 
-    # One ordered conversion first, so the timed one does not include loading the runtime or making the event.
+    def ours(producer):
+        start = time.perf_counter()
+        DLPackShim(producer).__dlpack__(stream=consumer.ptr, max_version=(1, 0))
+        return time.perf_counter() - start
+
+    # One ordered conversion first, so the timed ones do not include loading the runtime or making the event.
     idle = cupy.cuda.Stream(non_blocking=True)
-    DLPackShim(Producer(cupy.zeros(4, dtype=cupy.float32), idle)).__dlpack__(stream=consumer.ptr, max_version=(1, 0))
-    timings = {}
-    producer, stream = busy()
-    start = time.perf_counter()
-    DLPackShim(producer).__dlpack__(stream=consumer.ptr, max_version=(1, 0))
-    timings["cai_dlpack (event-ordered)"] = time.perf_counter() - start
-    stream.synchronize()
-    producer, stream = busy()
-    start = time.perf_counter()
-    cupy.asarray(producer)
-    timings["cupy.asarray (CAI consumer)"] = time.perf_counter() - start
-    stream.synchronize()
+    ours(Producer(cupy.zeros(4, dtype=cupy.float32), idle))
+    first, steady, bare = [], [], []
+    event = cupy.cuda.Event(disable_timing=True)
+    for _ in range(periods):
+        producer, stream = busy()
+        first.append(ours(producer))
+        steady += [ours(producer) for _ in range(conversions)]
+        busy_after = not stream.done
+        stream.synchronize()
+        assert busy_after, "the producer stream finished before the conversions did: no busy period measured"
+        producer, stream = busy()
+        start = time.perf_counter()
+        event.record(stream)
+        bare.append(time.perf_counter() - start)
+        stream.synchronize()
+    steady.sort()
+    timings = {
+        f"cai_dlpack (event-ordered), right after the launch: median of {periods}": statistics.median(first),
+        f"cai_dlpack (event-ordered), right after the launch: worst of {periods}": max(first),
+        f"cai_dlpack (event-ordered), while busy: median of {len(steady)}": statistics.median(steady),
+        f"cai_dlpack (event-ordered), while busy: 99th percentile of {len(steady)}": steady[len(steady) * 99 // 100],
+        f"one bare cudaEventRecord (CuPy Event.record), right after the launch: median of {periods}":
+            statistics.median(bare),
+    }
+
+    def peer(convert):
+        producer, stream = busy()
+        start = time.perf_counter()
+        convert(producer)
+        seconds = time.perf_counter() - start
+        stream.synchronize()
+        return seconds
+
+    timings["cupy.asarray (CAI consumer)"] = peer(cupy.asarray)
     try:
         from numba import cuda as numba_cuda
 
-        producer, stream = busy()
-        start = time.perf_counter()
-        numba_cuda.as_cuda_array(producer)
-        timings["numba.cuda.as_cuda_array (CAI consumer)"] = time.perf_counter() - start
-        stream.synchronize()
+        timings["numba.cuda.as_cuda_array (CAI consumer)"] = peer(numba_cuda.as_cuda_array)
     except ImportError:
         pass
     return {label: seconds * 1e6 for label, seconds in timings.items()}
