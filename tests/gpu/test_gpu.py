@@ -77,6 +77,39 @@ def test_numba_producer_and_consumer():
     assert n.copy_to_host().tolist() == tensor.tolist()
 
 
+@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "transposed", "zero_size", "zero_d"])
+def test_numba_to_torch_and_back(dtype, layout):
+    """Numba device arrays of every layout, made as views (Numba's own .T copies through a kernel), into torch
+    through the shim and back into Numba through dlpack2cai; values are read back through CuPy."""
+    numba_cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    host = cupy.asnumpy(cupy_sample(dtype))
+    base = numba_cuda.to_device(host)
+    if layout == "contiguous":
+        d, expected = base, host
+    elif layout == "strided":
+        d, expected = base[1:5:2, ::3], host[1:5:2, ::3]
+    elif layout == "transposed":
+        d = DeviceNDArray(base.shape[::-1], base.strides[::-1], base.dtype, gpu_data=base.gpu_data)
+        expected = host.T
+    elif layout == "zero_size":
+        d, expected = base[:0], host[:0]
+    else:
+        d, expected = DeviceNDArray((), (), base.dtype, gpu_data=base.gpu_data), host[0, 0]
+    t = torch.from_dlpack(DLPackShim(d))
+    assert tuple(t.shape) == expected.shape and t.stride() == tuple(s // host.itemsize for s in expected.strides)
+    if expected.size:
+        assert t.data_ptr() == d.__cuda_array_interface__["data"][0]
+    np.testing.assert_array_equal(t.cpu().numpy(), expected)
+    back = numba_cuda.as_cuda_array(dlpack2cai(t))
+    assert back.shape == expected.shape
+    if expected.size:
+        assert back.__cuda_array_interface__["data"][0] == t.data_ptr()
+    np.testing.assert_array_equal(cupy.asnumpy(cupy.asarray(back)), expected)
+
+
 def test_writes_visible_both_ways():
     x = cupy.zeros((4, 4), dtype=cupy.float32)
     t = torch.from_dlpack(DLPackShim(x))
