@@ -229,23 +229,27 @@ static int cdl_read_data(PyObject *data, cdl_source source, PyObject *obj, cdl_a
 static int cdl_check_extent(const cdl_array *arr, cdl_source source, PyObject *shape, int64_t itemsize,
                             Py_ssize_t buffer_length, int64_t offset)
 {
+    /* One pass: the element count and the byte extent together. An extent that overflows matters only
+     * when the array has elements; a count that overflows is reported first, as before either. */
     int64_t count = 1, low = 0, high = 0;
+    int count_overflow = 0, extent_overflow = 0;
     for (int32_t i = 0; i < arr->ndim; i++) {
-        if (__builtin_mul_overflow(count, arr->shape[i], &count)) {
-            PyErr_Format(PyExc_ValueError, "%s 'shape' %R has more elements than fit in 64 bits",
-                         cdl_source_name(source), shape);
-            return -1;
-        }
+        int64_t step;
+        count_overflow |= __builtin_mul_overflow(count, arr->shape[i], &count);
+        extent_overflow |= __builtin_mul_overflow(arr->shape[i] - 1, arr->strides[i], &step) ||
+                           __builtin_mul_overflow(step, itemsize, &step) ||
+                           (step < 0 ? __builtin_add_overflow(low, step, &low)
+                                     : __builtin_add_overflow(high, step, &high));
+    }
+    if (count_overflow) {
+        PyErr_Format(PyExc_ValueError, "%s 'shape' %R has more elements than fit in 64 bits",
+                     cdl_source_name(source), shape);
+        return -1;
     }
     if (count == 0)
         return 0;
-    for (int32_t i = 0; i < arr->ndim; i++) {
-        int64_t step;
-        if (__builtin_mul_overflow(arr->shape[i] - 1, arr->strides[i], &step) ||
-            __builtin_mul_overflow(step, itemsize, &step) ||
-            (step < 0 ? __builtin_add_overflow(low, step, &low) : __builtin_add_overflow(high, step, &high)))
-            goto overflow;
-    }
+    if (extent_overflow)
+        goto overflow;
     if (__builtin_add_overflow(high, itemsize, &high))
         goto overflow;
     if (buffer_length >= 0) {

@@ -43,6 +43,10 @@ CASES = [
     (dict(shape=(3, 4.0)), TypeError, "'shape'[1] must be an int, not float"),
     (dict(shape=(2**63,)), ValueError, "'shape'[0] is 9223372036854775808"),
     (dict(shape=(2**32, 2**32)), ValueError, "more elements than fit in 64 bits"),
+    # Both the count and the extent overflow: the count is named.
+    (dict(shape=(2**32, 2**32), strides=(2**62, 4)), ValueError, "more elements than fit in 64 bits"),
+    # An empty array reaches no byte, however far its strides would step.
+    (dict(shape=(0, 2**62), strides=(4, 2**62), data=(0, False)), None, None),
     (dict(shape=(1,) * 65), ValueError, "'shape' has 65 entries"),
     (dict(shape=(2**62,)), ValueError, "outside the address space"),
     (dict(typestr=">f4"), ValueError, "'typestr' '>f4' has non-native byte order"),
