@@ -74,10 +74,10 @@ def groups():
 
 def host_blocking(milliseconds=100, periods=7, conversions=200):
     """Host microseconds of one conversion while the producer stream is busy, ours against CuPy's and Numba's
-    consumers. In each of several busy periods ours is timed right after the kernel launch (when every runtime
-    call costs more: the driver is still submitting the launch), then over a run of conversions while the
-    stream is still busy; beside it, one bare cudaEventRecord right after the launch, the floor of any event
-    ordering. The peers wait out the whole period: one sample each."""
+    consumers. In each of several busy periods ours is timed right after the kernel launch (where the first
+    runtime calls cost more: 7 to 30 us each on the H100 machine, from run to run), then over a run of
+    conversions while the stream is still busy; beside it, one bare cudaEventRecord right after the launch, the
+    floor of any event ordering. The peers wait out the whole period: one sample each."""
     import cupy
 
     spin = cupy.RawKernel(SPIN_KERNEL, "spin")
