@@ -230,7 +230,7 @@ static int cdl_check_extent(const cdl_array *arr, cdl_source source, PyObject *s
                             Py_ssize_t buffer_length, int64_t offset)
 {
     /* One pass: the element count and the byte extent together. An extent that overflows matters only
-     * when the array has elements; a count that overflows is reported first, as before either. */
+     * when the array has elements; a count that overflows is reported before an extent that does. */
     int64_t count = 1, low = 0, high = 0;
     int count_overflow = 0, extent_overflow = 0;
     for (int32_t i = 0; i < arr->ndim; i++) {
