@@ -2,11 +2,8 @@
  * cai_dlpack._C_API) and the DLPack C exchange API (__dlpack_c_exchange_api__) on DLPackShim and
  * DLPackView. Both are thin: they call the same converters as the Python functions. */
 #include "cdl_internal.h"
-#include "cuda_runtime_table.h"
 
 #include <cai_dlpack/cai_dlpack.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 /* Reads obj into *arr: our shim (its wrapped object's interface) or view, or any interface object.
@@ -72,7 +69,7 @@ static int cdl_api_to_managed_tensor(PyObject *obj, int64_t consumer_stream, DLM
     int status = -1;
     if (cdl_array_of(obj, &arr, &owner, &keepalive) == 0 &&
         (view != NULL || cdl_order_streams(&arr, consumer_stream) == 0)) {
-        *out = cdl_managed_from_array(&arr, owner, keepalive, 1);
+        *out = cdl_managed_from_array(&arr, owner, keepalive, 1).pointer;
         status = *out ? 0 : -1;
     }
     Py_XDECREF(keepalive);
@@ -115,7 +112,7 @@ static int cdl_api_fill_tensor(PyObject *obj, int64_t consumer_stream, DLTensor 
 
 static PyObject *cdl_api_view_from_managed_tensor(DLManagedTensorVersioned *managed, int64_t stream)
 {
-    return cdl_view_new(managed, 1, stream);
+    return cdl_view_new(cdl_managed_versioned(managed), stream);
 }
 
 static const cai_dlpack_api cdl_public_api = {
@@ -169,7 +166,7 @@ static int cdl_exchange_dltensor_from_object(void *py_object, DLTensor *out)
 static int cdl_exchange_to_object(DLManagedTensorVersioned *tensor, void **out_py_object)
 {
     /* The consumer made the tensor on the work stream we reported. */
-    PyObject *view = cdl_view_new(tensor, 1, CDL_STREAM_LEGACY);
+    PyObject *view = cdl_view_new(cdl_managed_versioned(tensor), CDL_STREAM_LEGACY);
     *out_py_object = view;
     return view ? 0 : -1;
 }
@@ -179,129 +176,6 @@ static int cdl_exchange_current_work_stream(DLDeviceType device_type, int32_t de
     (void)device_type;
     (void)device_id;
     *out = NULL; /* the default (legacy) stream */
-    return 0;
-}
-
-/* Tensors made for a consumer: one allocation holds the managed tensor, shape and strides; the data
- * is a separate allocation of the kind the device needs. Runs without the GIL: no Python here. */
-typedef struct {
-    DLManagedTensorVersioned managed;
-    int64_t dims[];
-} cdl_made_tensor;
-
-static void cdl_free_made_tensor(DLManagedTensorVersioned *self)
-{
-    cdl_made_tensor *made = self->manager_ctx;
-    const cdl_cudart *rt = cdl_cudart_loaded();
-    switch (self->dl_tensor.device.device_type) {
-    case kDLCPU:
-        free(self->dl_tensor.data);
-        break;
-    case kDLCUDAHost:
-        if (rt && rt->free_host(self->dl_tensor.data) != cudaSuccess)
-            (void)rt->get_last_error();
-        break;
-    default:
-        if (rt) {
-            /* Device memory is freed in its device's context: on a thread with none, the runtime would
-             * otherwise bind (and make) its own device's primary context just for the free. */
-            cdl_device_scope scope;
-            int device_memory = self->dl_tensor.device.device_type == kDLCUDA;
-            int entered = device_memory ? cdl_device_enter(rt, self->dl_tensor.device.device_id, &scope) : 0;
-            if (rt->free(self->dl_tensor.data) != cudaSuccess)
-                (void)rt->get_last_error();
-            if (device_memory && entered == 0)
-                (void)cdl_device_leave(rt, &scope);
-        }
-        break;
-    }
-    free(made);
-}
-
-static int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, void *error_ctx,
-                                 void (*set_error)(void *error_ctx, const char *kind, const char *message))
-{
-    char message[256];
-    int32_t ndim = prototype->ndim;
-    uint64_t bytes = (uint64_t)cdl_itemsize(prototype->dtype);
-    if (ndim < 0 || ndim > CDL_MAX_NDIM || (ndim > 0 && prototype->shape == NULL)) {
-        set_error(error_ctx, "ValueError", "cai_dlpack allocator: bad prototype ndim or shape");
-        return -1;
-    }
-    for (int32_t i = 0; i < ndim; i++) {
-        if (prototype->shape[i] < 0 || __builtin_mul_overflow(bytes, (uint64_t)prototype->shape[i], &bytes)) {
-            set_error(error_ctx, "ValueError", "cai_dlpack allocator: bad or overflowing prototype shape");
-            return -1;
-        }
-    }
-    cdl_made_tensor *made = calloc(1, sizeof(cdl_made_tensor) + 2 * (size_t)ndim * sizeof(int64_t));
-    if (made == NULL) {
-        set_error(error_ctx, "MemoryError", "cai_dlpack allocator: out of host memory");
-        return -1;
-    }
-    size_t size = bytes ? (size_t)bytes : 1;
-    void *data = NULL;
-    DLDeviceType type = prototype->device.device_type;
-    if (type == kDLCPU) {
-        data = aligned_alloc(64, (size + 63) / 64 * 64);
-        if (data == NULL)
-            snprintf(message, sizeof(message), "cai_dlpack allocator: cannot allocate %zu host bytes", size);
-    }
-    else if (type == kDLCUDA || type == kDLCUDAHost || type == kDLCUDAManaged) {
-        const cdl_cudart *rt = cdl_cudart_get_any_thread(); /* a consumer's first call may be this one */
-        /* Device memory is made in its device's context; pinned and managed memory, which any device
-         * may use, in the caller's (entering device 0's would make a context there). */
-        cdl_device_scope scope = {0};
-        int status = rt == NULL ? -1 : type == kDLCUDA ? cdl_device_enter(rt, prototype->device.device_id, &scope) : 0;
-        const char *failed = scope.failed_call;
-        int in_driver = scope.failed_in_driver;
-        if (status == 0) {
-            status = type == kDLCUDA       ? rt->malloc(&data, size)
-                     : type == kDLCUDAHost ? rt->malloc_host(&data, size)
-                                           : rt->malloc_managed(&data, size, cudaMemAttachGlobal);
-            failed = type == kDLCUDA ? "cudaMalloc" : type == kDLCUDAHost ? "cudaMallocHost" : "cudaMallocManaged";
-            if (status == 0 && cdl_device_leave(rt, &scope) != 0) {
-                /* The memory is made, but the caller's device could not be put back: refuse it. */
-                if ((type == kDLCUDAHost ? rt->free_host(data) : rt->free(data)) != cudaSuccess)
-                    (void)rt->get_last_error();
-                status = scope.failed_code, failed = scope.failed_call, in_driver = scope.failed_in_driver;
-            }
-            else if (status != 0) {
-                (void)cdl_device_leave(rt, &scope);
-            }
-        }
-        if (status != 0) {
-            snprintf(message, sizeof(message), "cai_dlpack allocator: %zu bytes on device (%d, %d): %s%s%s", size,
-                     (int)type, (int)prototype->device.device_id, rt ? failed : "",
-                     rt ? " failed: " : "", rt ? cdl_error_name(rt, status, in_driver) : "no CUDA runtime found");
-            if (rt && !in_driver)
-                (void)rt->get_last_error();
-            data = NULL;
-        }
-    }
-    else {
-        snprintf(message, sizeof(message), "cai_dlpack allocator: device type %d is not supported", (int)type);
-    }
-    if (data == NULL) {
-        free(made);
-        set_error(error_ctx, "RuntimeError", message);
-        return -1;
-    }
-    DLManagedTensorVersioned *m = &made->managed;
-    m->version.major = DLPACK_MAJOR_VERSION;
-    m->version.minor = DLPACK_MINOR_VERSION;
-    m->manager_ctx = made;
-    m->deleter = cdl_free_made_tensor;
-    m->dl_tensor.data = data;
-    m->dl_tensor.device = prototype->device;
-    m->dl_tensor.ndim = ndim;
-    m->dl_tensor.dtype = prototype->dtype;
-    m->dl_tensor.shape = made->dims;
-    m->dl_tensor.strides = made->dims + ndim;
-    if (ndim > 0)
-        memcpy(made->dims, prototype->shape, (size_t)ndim * sizeof(int64_t));
-    (void)cdl_contiguous_strides(ndim, made->dims, made->dims + ndim); /* the size check above bounds them */
-    *out = m;
     return 0;
 }
 

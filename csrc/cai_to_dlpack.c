@@ -1,5 +1,6 @@
-/* CAI -> DLPack: reads a __cuda_array_interface__ (or NumPy __array_interface__) dict into the
- * neutral record, and writes that record out as a legacy or versioned DLPack capsule. */
+/* CAI -> DLPack: reads a __cuda_array_interface__ (or NumPy __array_interface__) dict, or a host
+ * array's buffer, into the neutral record, and exports that record to a consumer: its requests
+ * checked, streams ordered, the capsule written by managed_tensor.c. */
 #include "cdl_internal.h"
 
 #include <string.h>
@@ -229,29 +230,19 @@ static int cdl_read_data(PyObject *data, cdl_source source, PyObject *obj, cdl_a
 static int cdl_check_extent(const cdl_array *arr, cdl_source source, PyObject *shape, int64_t itemsize,
                             Py_ssize_t buffer_length, int64_t offset)
 {
-    /* One pass: the element count and the byte extent together. An extent that overflows matters only
-     * when the array has elements; a count that overflows is reported before an extent that does. */
-    int64_t count = 1, low = 0, high = 0;
-    int count_overflow = 0, extent_overflow = 0;
-    for (int32_t i = 0; i < arr->ndim; i++) {
-        int64_t step;
-        count_overflow |= __builtin_mul_overflow(count, arr->shape[i], &count);
-        extent_overflow |= __builtin_mul_overflow(arr->shape[i] - 1, arr->strides[i], &step) ||
-                           __builtin_mul_overflow(step, itemsize, &step) ||
-                           (step < 0 ? __builtin_add_overflow(low, step, &low)
-                                     : __builtin_add_overflow(high, step, &high));
-    }
-    if (count_overflow) {
+    int64_t low, high;
+    switch (cdl_measure_extent(arr, itemsize, &low, &high)) {
+    case CDL_EXTENT_EMPTY:
+        return 0;
+    case CDL_EXTENT_COUNT_OVERFLOW:
         PyErr_Format(PyExc_ValueError, "%s 'shape' %R has more elements than fit in 64 bits",
                      cdl_source_name(source), shape);
         return -1;
+    case CDL_EXTENT_OVERFLOW:
+        goto overflow;
+    case CDL_EXTENT_OK:
+        break;
     }
-    if (count == 0)
-        return 0;
-    if (extent_overflow)
-        goto overflow;
-    if (__builtin_add_overflow(high, itemsize, &high))
-        goto overflow;
     if (buffer_length >= 0) {
         /* offset >= 0 and low <= 0, so offset + low cannot overflow (-low could, for INT64_MIN). */
         if (offset + low < 0 || high > (int64_t)buffer_length - offset) {
@@ -263,15 +254,16 @@ static int cdl_check_extent(const cdl_array *arr, cdl_source source, PyObject *s
         }
         return 0;
     }
-    uintptr_t address = (uintptr_t)arr->data;
-    if (address == 0) {
+    if (arr->data == NULL) {
+        int64_t count = 1;
+        for (int32_t i = 0; i < arr->ndim; i++)
+            count *= arr->shape[i]; /* the measure found no overflow */
         PyErr_Format(PyExc_ValueError, "%s 'data' pointer is 0 (NULL) but the array has %lld elements",
                      cdl_source_name(source), (long long)count);
         return -1;
     }
-    if (0 - (uint64_t)low > address || (uint64_t)high - 1 > UINTPTR_MAX - address)
-        goto overflow;
-    return 0;
+    if (cdl_extent_fits((uintptr_t)arr->data, low, high))
+        return 0;
 overflow:
     PyErr_Format(PyExc_ValueError, "%s 'shape' %R with these 'strides' reaches outside the address space",
                  cdl_source_name(source), shape);
@@ -382,36 +374,6 @@ done:
     return status;
 }
 
-/* The typestr kind of a buffer format (struct module syntax) of one native-order item, or 0 when the
- * format says anything else (another byte order, a repeat count, a structure). */
-static char cdl_kind_of_format(const char *format)
-{
-    if (format == NULL)
-        return 'u'; /* plain bytes */
-#if PY_BIG_ENDIAN
-    if (*format == '@' || *format == '=' || *format == '>' || *format == '!')
-#else
-    if (*format == '@' || *format == '=' || *format == '<')
-#endif
-        format++;
-    if (format[0] == 'Z')
-        return (format[1] == 'e' || format[1] == 'f' || format[1] == 'd') && format[2] == '\0' ? 'c' : 0;
-    if (format[0] == '\0' || format[1] != '\0')
-        return 0;
-    switch (format[0]) {
-    case '?':
-        return 'b';
-    case 'b': case 'h': case 'i': case 'l': case 'q': case 'n':
-        return 'i';
-    case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N':
-        return 'u';
-    case 'e': case 'f': case 'd':
-        return 'f';
-    default:
-        return 0;
-    }
-}
-
 /* Host arrays whose type implements __array_interface__ in C and exports a buffer (NumPy's ndarray):
  * the buffer describes the same array as the interface, and reading it costs a tenth of the dict
  * NumPy builds on every __array_interface__ access. The memoryview in *keepalive holds the export
@@ -428,9 +390,8 @@ static int cdl_array_from_buffer(PyObject *obj, cdl_array *out, PyObject **keepa
         return 0;
     }
     const Py_buffer *buffer = PyMemoryView_GET_BUFFER(view);
-    char kind = cdl_kind_of_format(buffer->format);
-    if (kind == 0 || buffer->ndim > CDL_MAX_NDIM || buffer->suboffsets != NULL ||
-        cdl_dtype_from_kind(kind, buffer->itemsize, &out->dtype) < 0)
+    if (buffer->ndim > CDL_MAX_NDIM || buffer->suboffsets != NULL ||
+        cdl_dtype_from_format(buffer->format, buffer->itemsize, &out->dtype) < 0)
         goto fallback;
     int64_t itemsize = buffer->itemsize;
     out->ndim = buffer->ndim;
@@ -505,130 +466,7 @@ int cdl_array_from_object(PyObject *obj, cdl_array *out, PyObject **keepalive)
     return status;
 }
 
-/* ---- capsules ------------------------------------------------------------------------------------ */
-
-/* One allocation per capsule: the managed tensor, the references it holds, then shape and strides. */
-typedef struct {
-    union {
-        DLManagedTensor legacy;
-        DLManagedTensorVersioned versioned;
-    } managed;
-    PyObject *owner;
-    PyObject *keepalive;
-    int64_t dims[];
-} cdl_export_block;
-
-/* Runs on any thread, with or without the GIL, possibly during interpreter shutdown. */
-static void cdl_release_block(cdl_export_block *block)
-{
-    if (Py_IsInitialized() && !cdl_interpreter_finalizing()) {
-        if (PyGILState_Check()) {
-            /* The common case: a capsule or view dying under the GIL. */
-            Py_XDECREF(block->owner);
-            Py_XDECREF(block->keepalive);
-        }
-        else {
-            PyGILState_STATE state = PyGILState_Ensure();
-            Py_XDECREF(block->owner);
-            Py_XDECREF(block->keepalive);
-            PyGILState_Release(state);
-        }
-    }
-    /* Otherwise the interpreter is gone or going: its objects must not be touched, so the
-     * references are left behind with it. */
-    PyMem_RawFree(block);
-}
-
-static void cdl_delete_legacy(DLManagedTensor *self) { cdl_release_block(self->manager_ctx); }
-
-static void cdl_delete_versioned(DLManagedTensorVersioned *self) { cdl_release_block(self->manager_ctx); }
-
-/* Frees the tensor of a capsule nobody consumed; a consumer renames the capsule 'used_*'. Capsules
- * die while exceptions are in flight (a consumer that refused the tensor, say): the pending
- * exception must come through untouched. */
-static const char cdl_legacy_name[] = "dltensor";
-static const char cdl_versioned_name[] = "dltensor_versioned";
-
-static void cdl_capsule_destructor(PyObject *capsule)
-{
-    /* A consumer renames the capsule with a string of its own, so our own pointers mean "unconsumed". */
-    const char *name = PyCapsule_GetName(capsule);
-    if (name != cdl_legacy_name && name != cdl_versioned_name)
-        return;
-    int versioned = name == cdl_versioned_name;
-    void *managed = PyCapsule_GetPointer(capsule, name);
-    if (managed == NULL) {
-        PyErr_WriteUnraisable(capsule);
-        return;
-    }
-    if (versioned)
-        ((DLManagedTensorVersioned *)managed)->deleter((DLManagedTensorVersioned *)managed);
-    else
-        ((DLManagedTensor *)managed)->deleter((DLManagedTensor *)managed);
-}
-
-void *cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned)
-{
-    size_t ndim = (size_t)arr->ndim;
-    cdl_export_block *block = PyMem_RawMalloc(sizeof(cdl_export_block) + 2 * ndim * sizeof(int64_t));
-    if (block == NULL) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    DLTensor *tensor;
-    void *managed;
-    if (versioned) {
-        DLManagedTensorVersioned *m = &block->managed.versioned;
-        m->version.major = DLPACK_MAJOR_VERSION;
-        m->version.minor = DLPACK_MINOR_VERSION;
-        m->manager_ctx = block;
-        m->deleter = cdl_delete_versioned;
-        m->flags = arr->read_only ? DLPACK_FLAG_BITMASK_READ_ONLY : 0;
-        tensor = &m->dl_tensor;
-        managed = m;
-    }
-    else {
-        DLManagedTensor *m = &block->managed.legacy;
-        m->manager_ctx = block;
-        m->deleter = cdl_delete_legacy;
-        tensor = &m->dl_tensor;
-        managed = m;
-    }
-    tensor->data = arr->data;
-    tensor->device = arr->device;
-    tensor->ndim = arr->ndim;
-    tensor->dtype = arr->dtype;
-    tensor->shape = block->dims;
-    tensor->strides = block->dims + ndim;
-    tensor->byte_offset = 0;
-    if (ndim > 0) {
-        memcpy(block->dims, arr->shape, ndim * sizeof(int64_t));
-        memcpy(block->dims + ndim, arr->strides, ndim * sizeof(int64_t));
-    }
-    block->owner = Py_XNewRef(owner);
-    block->keepalive = Py_XNewRef(keepalive);
-    return managed;
-}
-
-PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned)
-{
-    void *managed = cdl_managed_from_array(arr, owner, keepalive, versioned);
-    if (managed == NULL)
-        return NULL;
-    PyObject *capsule = PyCapsule_New(managed, versioned ? cdl_versioned_name : cdl_legacy_name, cdl_capsule_destructor);
-    if (capsule == NULL) {
-        if (versioned)
-            ((DLManagedTensorVersioned *)managed)->deleter(managed);
-        else
-            ((DLManagedTensor *)managed)->deleter(managed);
-    }
-    return capsule;
-}
-
-PyObject *cdl_device_tuple(DLDevice device)
-{
-    return Py_BuildValue("(ii)", (int)device.device_type, (int)device.device_id);
-}
+/* ---- export -------------------------------------------------------------------------------------- */
 
 /* max_version: None (legacy capsule) or a (major, minor) tuple; sets *versioned. */
 static int cdl_parse_max_version(PyObject *max_version, int *versioned)

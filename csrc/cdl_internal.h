@@ -87,36 +87,88 @@ static inline int cdl_contiguous_strides(int32_t ndim, const int64_t *shape, int
  * (NumPy's __array_interface__) host memory. */
 typedef enum { CDL_SOURCE_CAI, CDL_SOURCE_ARRAY_INTERFACE } cdl_source;
 
-/* Interned strings for the keys and attribute names read on hot paths (module.c owns them). */
+/* (device_type, device_id) as a tuple. */
+static inline PyObject *cdl_device_tuple(DLDevice device)
+{
+    return Py_BuildValue("(ii)", (int)device.device_type, (int)device.device_id);
+}
+
+/* Where a conversion's element count and byte extent lie, relative to its first element. */
+typedef enum {
+    CDL_EXTENT_OK,             /* low and high are set */
+    CDL_EXTENT_EMPTY,          /* no elements: nothing is reached */
+    CDL_EXTENT_COUNT_OVERFLOW, /* the element count does not fit in 64 bits */
+    CDL_EXTENT_OVERFLOW,       /* the byte extent does not fit in 64 bits */
+} cdl_extent_status;
+
+/* The bytes [low, high) an array reaches from its data pointer (low <= 0 < high), in one pass over the
+ * dimensions. A count that overflows is reported before an extent that does; an extent that overflows
+ * matters only when the array has elements. */
+static inline cdl_extent_status cdl_measure_extent(const cdl_array *arr, int64_t itemsize, int64_t *low,
+                                                   int64_t *high)
+{
+    int64_t count = 1;
+    int count_overflow = 0, extent_overflow = 0;
+    *low = *high = 0;
+    for (int32_t i = 0; i < arr->ndim; i++) {
+        int64_t step;
+        count_overflow |= __builtin_mul_overflow(count, arr->shape[i], &count);
+        extent_overflow |= __builtin_mul_overflow(arr->shape[i] - 1, arr->strides[i], &step) ||
+                           __builtin_mul_overflow(step, itemsize, &step) ||
+                           (step < 0 ? __builtin_add_overflow(*low, step, low)
+                                     : __builtin_add_overflow(*high, step, high));
+    }
+    if (count_overflow)
+        return CDL_EXTENT_COUNT_OVERFLOW;
+    if (count == 0)
+        return CDL_EXTENT_EMPTY;
+    if (extent_overflow || __builtin_add_overflow(*high, itemsize, high))
+        return CDL_EXTENT_OVERFLOW;
+    return CDL_EXTENT_OK;
+}
+
+/* Whether the bytes [low, high) around address lie inside the address space. */
+static inline int cdl_extent_fits(uintptr_t address, int64_t low, int64_t high)
+{
+    return !(0 - (uint64_t)low > address || (uint64_t)high - 1 > UINTPTR_MAX - address);
+}
+
+/* names.c: the strings and argument parsing every file shares ----------------------------------- */
+/* Interned strings for the keys and attribute names read on hot paths. */
 typedef struct {
     PyObject *shape, *typestr, *data, *strides, *version, *mask, *stream, *offset, *descr;
     PyObject *cuda_array_interface, *array_interface, *dlpack, *dlpack_device;
     PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream;
 } cdl_names;
 extern cdl_names cdl_name;
+int cdl_names_init(void);
+/* Keyword-only argument parsing for vectorcall methods: names[i] matched into values[i]
+ * (borrowed; untouched when absent). Returns 0, or -1 with TypeError. */
+int cdl_parse_keywords(const char *func, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                       Py_ssize_t npositional, PyObject *const *names, PyObject **values, int count);
+/* The keywords of __dlpack__ (stream, max_version, dl_device, copy) into values[0..3]. */
+int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **values);
 
-/* Exceptions of the module (module.c): CUDA runtime failures. */
-extern PyObject *cdl_CudaError;
-
-/* Process-wide switches of the CAI spec's opt-outs (stream_sync.c). */
-extern int cdl_option_sync;            /* 0: consumers ignore producer streams */
-extern int cdl_option_export_stream;   /* 0: producers export "stream": None */
-
-/* dtype.c ---------------------------------------------------------------------------------------- */
+/* dtype.c: every fact about element types ------------------------------------------------------- */
 /* Returns 0 with *out filled, or -1 with ValueError/TypeError naming where (the interface) and the typestr. */
 int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out);
-/* The table's type for a typestr kind character and an item size in bytes: 0, or -1 (no exception set)
- * when there is none. */
-int cdl_dtype_from_kind(char kind, Py_ssize_t itemsize, DLDataType *out);
+/* The type of one native-order item of a buffer-protocol format (NULL: plain bytes) of itemsize bytes:
+ * 0, or -1 (no exception set) when the table has none. */
+int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *out);
 /* The buffer-protocol format of dtype (native order and sizes), or NULL when the table has none. */
 const char *cdl_format_from_dtype(DLDataType dtype);
 /* Returns a new reference to the typestr of dtype, or NULL with BufferError naming code/bits/lanes. */
 PyObject *cdl_typestr_from_dtype(DLDataType dtype);
+/* 0 when an array interface can describe dtype, else -1 with the BufferError above. */
+int cdl_check_dtype(DLDataType dtype);
 /* Bytes per element of a dtype the table knows. */
 static inline int64_t cdl_itemsize(DLDataType dtype) { return ((int64_t)dtype.bits * dtype.lanes + 7) / 8; }
 int cdl_dtype_init(void);
 
-/* cuda_runtime.c --------------------------------------------------------------------------------- */
+/* cuda_runtime.c: the runtime opened at run time, device scopes, CUDA errors -------------------- */
+/* cai_dlpack.CudaError: CUDA runtime failures (made by cdl_cuda_errors_init). */
+extern PyObject *cdl_CudaError;
+int cdl_cuda_errors_init(void);
 /* Fills *device from the runtime's pointer attributes of ptr (the current device for NULL), with
  * device_id 0 for pinned and managed memory as DLPack asks, and *home with the device CUDA reports.
  * Returns 0, or -1 with an exception set (runtime missing, CUDA error, memory CUDA does not know). */
@@ -133,7 +185,16 @@ const struct cdl_cudart *cdl_cudart_loaded(void);
 const struct cdl_cudart *cdl_cudart_get_any_thread(void);
 PyObject *cdl_cuda_runtime_info(PyObject *module, PyObject *unused);
 
-/* stream_sync.c ---------------------------------------------------------------------------------- */
+/* exchange_alloc.c: tensors the DLPack exchange API asks us to make ------------------------------ */
+/* DLPackExchangeAPI.managed_tensor_allocator: a C-contiguous tensor like prototype on its device.
+ * Runs without the GIL; errors go through set_error. */
+int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, void *error_ctx,
+                          void (*set_error)(void *error_ctx, const char *kind, const char *message));
+
+/* stream_sync.c: ordering a producer's stream before a consumer's -------------------------------- */
+/* Process-wide switches of the CAI spec's opt-outs. */
+extern int cdl_option_sync;            /* 0: consumers ignore producer streams */
+extern int cdl_option_export_stream;   /* 0: producers export "stream": None */
 /* Parses a stream value named what: a consumer's argument (None -> 1, -1, 1, 2 or a handle) when
  * consumer is 1, a CAI 'stream' entry (None -> 0, 1, 2 or a handle) when 0. Returns 0 or -1. */
 int cdl_parse_stream(PyObject *value, const char *what, int consumer, int64_t *out);
@@ -144,7 +205,68 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer);
 void cdl_stream_options_init(void);
 PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
-/* cai_to_dlpack.c -------------------------------------------------------------------------------- */
+/* managed_tensor.c: DLPack managed tensors of either layout -------------------------------------- */
+/* The capsule names of the DLPack Python specification, defined once. */
+extern const char cdl_capsule_name_legacy[];      /* "dltensor" */
+extern const char cdl_capsule_name_versioned[];   /* "dltensor_versioned" */
+
+/* A managed tensor of either layout. Which one is decided where the handle is made (a capsule's name,
+ * a caller's choice); everything else asks the accessors. */
+typedef struct {
+    void *pointer;  /* DLManagedTensorVersioned * when versioned, else DLManagedTensor *; NULL: none */
+    int versioned;  /* which layout pointer has */
+} cdl_managed;
+
+static inline cdl_managed cdl_managed_versioned(DLManagedTensorVersioned *pointer)
+{
+    cdl_managed managed = {pointer, 1};
+    return managed;
+}
+
+static inline DLTensor *cdl_managed_tensor(cdl_managed managed)
+{
+    return managed.versioned ? &((DLManagedTensorVersioned *)managed.pointer)->dl_tensor
+                             : &((DLManagedTensor *)managed.pointer)->dl_tensor;
+}
+
+/* The DLPACK_FLAG_BITMASK_* flags (a legacy tensor has none). */
+static inline uint64_t cdl_managed_flags(cdl_managed managed)
+{
+    return managed.versioned ? ((DLManagedTensorVersioned *)managed.pointer)->flags : 0;
+}
+
+static inline int cdl_managed_read_only(cdl_managed managed)
+{
+    return (cdl_managed_flags(managed) & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+}
+
+/* Runs the deleter of *managed (if any) once and clears the handle. The deleter may run Python code: an
+ * exception already set survives it. */
+void cdl_managed_delete(cdl_managed *managed);
+/* Our export of arr in one allocation (the managed tensor, shape and strides), whose deleter releases
+ * owner and keepalive (new references taken here). A NULL pointer with an exception set on failure. */
+cdl_managed cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned);
+/* The same, in a capsule named for its layout that frees an unconsumed tensor. NULL with an exception. */
+PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned);
+/* Takes the tensor out of a DLPack capsule, renaming it used_* so nobody else can. Returns 0, or -1 with
+ * BufferError (already consumed) or TypeError (not a DLPack capsule). */
+int cdl_managed_from_capsule(PyObject *capsule, cdl_managed *out);
+/* Validates a foreign tensor into *out (byte offset folded in, strides in elements and explicit, home
+ * device = device_id, no producer stream). Returns 0, or -1 with BufferError naming what an array
+ * interface cannot describe; the tensor is not deleted either way. */
+int cdl_array_from_managed(cdl_managed managed, cdl_array *out);
+/* Device types an array interface can describe: host-accessible ones through __array_interface__,
+ * device-accessible ones through __cuda_array_interface__. */
+static inline int cdl_host_accessible(DLDeviceType type)
+{
+    return type == kDLCPU || type == kDLCUDAHost || type == kDLCUDAManaged;
+}
+static inline int cdl_device_accessible(DLDeviceType type)
+{
+    return type == kDLCUDA || type == kDLCUDAHost || type == kDLCUDAManaged;
+}
+
+/* cai_to_dlpack.c: interface dicts (and buffers) into the record, the record out as a capsule --- */
 /* Reads an interface dict into *out. For an array interface whose data is a buffer object,
  * *keepalive receives a new reference that must outlive the data pointer. Returns 0 or -1. */
 int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, cdl_array *out,
@@ -152,42 +274,22 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
 /* Reads obj's __cuda_array_interface__ (else __array_interface__; a dict is a CAI dict) into *out,
  * device included. Same contract as above. */
 int cdl_array_from_object(PyObject *obj, cdl_array *out, PyObject **keepalive);
-/* The managed tensor (DLManagedTensor, or DLManagedTensorVersioned when versioned) of arr in one
- * allocation; its deleter releases owner and keepalive (new references taken here). NULL with an
- * exception set. */
-void *cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned);
-/* Builds a capsule of the given kind whose deleter releases owner and keepalive (new references
- * taken here). Returns the capsule, or NULL with an exception set. */
-PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned);
 /* The whole export: checks the consumer's requests, orders streams, builds the capsule. */
 PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
                      PyObject *max_version, PyObject *dl_device, PyObject *copy);
-/* (device_type, device_id) as a tuple. */
-PyObject *cdl_device_tuple(DLDevice device);
 
-/* c_api.c ---------------------------------------------------------------------------------------- */
-/* Adds the C API capsule to the module and the exchange API to our types. Returns 0 or -1. */
-int cdl_c_api_init(PyObject *module);
-
-/* dlpack_to_cai.c -------------------------------------------------------------------------------- */
+/* dlpack_to_cai.c: DLPackView, a managed tensor behind the array interfaces ---------------------- */
 extern PyTypeObject cdl_view_type;
 int cdl_view_type_init(void);
 /* A view owning managed (stolen: on failure its deleter has run), its data ready on stream. */
-PyObject *cdl_view_new(void *managed, int versioned, int64_t stream);
+PyObject *cdl_view_new(cdl_managed managed, int64_t stream);
 /* A view's tensor as a record (byte offset folded in, strides explicit), and the tensor itself. */
 void cdl_array_from_view(PyObject *view, cdl_array *arr);
 const DLTensor *cdl_view_tensor(PyObject *view);
 /* Consumes a capsule or calls obj.__dlpack__; returns a new view or NULL with an exception set. */
 PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream);
 
-/* module.c --------------------------------------------------------------------------------------- */
-/* Keyword-only argument parsing for vectorcall methods: names[i] matched into values[i]
- * (borrowed; untouched when absent). Returns 0, or -1 with TypeError. */
-int cdl_parse_keywords(const char *func, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
-                       Py_ssize_t npositional, PyObject *const *names, PyObject **values, int count);
-/* The keywords of __dlpack__ (stream, max_version, dl_device, copy) into values[0..3]. */
-int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **values);
-
+/* shim.c: DLPackShim, the DLPack protocol for an interface object --------------------------------- */
 typedef struct {
     PyObject_HEAD
     PyObject *obj;         /* the wrapped CAI or array-interface object */
@@ -195,5 +297,10 @@ typedef struct {
     int64_t *dims;         /* shape and strides lent by the exchange API's DLTensor call; made on first use */
 } cdl_shim;
 extern PyTypeObject cdl_shim_type;
+int cdl_shim_type_init(void);
+
+/* c_api.c: the C doors ----------------------------------------------------------------------------- */
+/* Adds the C API capsule to the module and the exchange API to our types. Returns 0 or -1. */
+int cdl_c_api_init(PyObject *module);
 
 #endif

@@ -230,6 +230,17 @@ const cdl_cudart *cdl_cudart_get(void)
     return NULL;
 }
 
+PyObject *cdl_CudaError;
+
+int cdl_cuda_errors_init(void)
+{
+    cdl_CudaError = PyErr_NewExceptionWithDoc(
+        "cai_dlpack.CudaError",
+        "A CUDA runtime call failed. Attributes: call (the function), code, name (the runtime's error name).",
+        PyExc_RuntimeError, NULL);
+    return cdl_CudaError ? 0 : -1;
+}
+
 /* error.NAME = text, for the attributes a CudaError carries. Returns 0 or -1. */
 static int cdl_set_text_attribute(PyObject *error, const char *name, const char *text)
 {

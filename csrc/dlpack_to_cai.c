@@ -1,22 +1,22 @@
 /* DLPack -> CAI: consumes a DLPack capsule (or calls __dlpack__) into a DLPackView, which owns the
- * managed tensor and exposes it as __cuda_array_interface__ / __array_interface__ / __dlpack__. */
+ * managed tensor and exposes the record managed_tensor.c read from it as __cuda_array_interface__ /
+ * __array_interface__ / the buffer protocol / __dlpack__. */
 #include "cdl_internal.h"
 
 #include <string.h>
 
 typedef struct {
-    PyObject_HEAD
-    void *managed;          /* DLManagedTensor or DLManagedTensorVersioned; its deleter runs once, in dealloc */
-    DLTensor *tensor;       /* inside managed */
-    int versioned;
+    PyObject_VAR_HEAD       /* ob_size: 2 * ndim, the length of dims */
+    cdl_managed managed;    /* its deleter runs once, in dealloc */
+    DLDevice device;
     int read_only;
     int64_t stream;         /* the stream the producer made the data ready on; 0: none (no sync asked) */
     PyObject *shape;        /* tuple */
     PyObject *strides;      /* tuple of byte strides, or None for C-contiguous (always for empty arrays) */
     PyObject *typestr;
     PyObject *data;         /* (pointer, read_only) with byte_offset folded in; 0 when empty */
-    Py_ssize_t *buffer_dims; /* shape, then byte strides, for the buffer protocol; made on first export */
     PyObject *weakreflist;
+    Py_ssize_t dims[];      /* shape, then byte strides: the buffer protocol's view of the record */
 } cdl_view;
 
 /* Kwnames and arguments for calling a producer's __dlpack__, made once. */
@@ -25,126 +25,69 @@ static PyObject *cdl_dlpack_kwnames_stream;   /* ("stream",) */
 static PyObject *cdl_our_max_version;         /* (DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION) */
 static PyObject *cdl_interface_version;       /* 3, the interface version views export */
 
-/* Runs the producer's deleter, which may run Python code: an exception already set survives it. */
-static void cdl_call_deleter(void *managed, int versioned)
+/* Fills the view's Python values and buffer dims from the record, computing each byte stride once.
+ * Returns 0 or -1. */
+static int cdl_view_describe(cdl_view *view, const cdl_array *arr, int strides_given)
 {
-    cdl_pending_error pending;
-    cdl_error_stash(&pending);
-    if (versioned) {
-        DLManagedTensorVersioned *m = managed;
-        if (m->deleter)
-            m->deleter(m);
-    }
-    else {
-        DLManagedTensor *m = managed;
-        if (m->deleter)
-            m->deleter(m);
-    }
-    cdl_error_unstash(&pending);
-}
-
-static int cdl_host_accessible(DLDeviceType type)
-{
-    return type == kDLCPU || type == kDLCUDAHost || type == kDLCUDAManaged;
-}
-
-static int cdl_device_accessible(DLDeviceType type)
-{
-    return type == kDLCUDA || type == kDLCUDAHost || type == kDLCUDAManaged;
-}
-
-/* Checks the tensor and fills the view's cached Python values. Returns 0 or -1. */
-static int cdl_view_describe(cdl_view *view)
-{
-    const DLTensor *t = view->tensor;
-    DLDeviceType type = t->device.device_type;
-    if (!cdl_host_accessible(type) && !cdl_device_accessible(type)) {
-        PyErr_Format(PyExc_BufferError,
-                     "DLPack device type %d is neither CUDA nor host memory; only kDLCPU, kDLCUDA, kDLCUDAHost "
-                     "and kDLCUDAManaged tensors can be described by an array interface",
-                     (int)type);
+    int64_t itemsize = cdl_itemsize(arr->dtype);
+    int empty = 0;
+    view->typestr = cdl_typestr_from_dtype(arr->dtype);
+    view->shape = PyTuple_New(arr->ndim);
+    if (view->typestr == NULL || view->shape == NULL)
         return -1;
-    }
-    if (t->ndim < 0 || t->ndim > CDL_MAX_NDIM || (t->ndim > 0 && t->shape == NULL)) {
-        PyErr_Format(PyExc_BufferError, "DLPack tensor has ndim %d%s; 0 to %d dimensions with a shape are supported",
-                     (int)t->ndim, t->ndim > 0 && t->shape == NULL ? " and no shape" : "", CDL_MAX_NDIM);
-        return -1;
-    }
-    view->typestr = cdl_typestr_from_dtype(t->dtype);
-    if (view->typestr == NULL)
-        return -1;
-    int64_t itemsize = cdl_itemsize(t->dtype), count = 1;
-    view->shape = PyTuple_New(t->ndim);
-    view->strides = t->strides ? PyTuple_New(t->ndim) : Py_NewRef(Py_None);
-    if (view->shape == NULL || view->strides == NULL)
-        return -1;
-    for (int32_t i = 0; i < t->ndim; i++) {
-        if (t->shape[i] < 0) {
-            PyErr_Format(PyExc_BufferError, "DLPack tensor shape[%d] is %lld", (int)i, (long long)t->shape[i]);
-            return -1;
-        }
-        count *= t->shape[i] ? 1 : 0;
-        PyObject *dim = PyLong_FromLongLong(t->shape[i]);
+    Py_ssize_t *byte_strides = view->dims + arr->ndim;
+    for (int32_t i = 0; i < arr->ndim; i++) {
+        view->dims[i] = (Py_ssize_t)arr->shape[i];
+        /* The reader checked each given stride in bytes; implicit ones of an empty array may wrap. */
+        (void)__builtin_mul_overflow(arr->strides[i], itemsize, &byte_strides[i]);
+        empty |= arr->shape[i] == 0;
+        PyObject *dim = PyLong_FromSsize_t(view->dims[i]);
         if (dim == NULL)
             return -1;
         PyTuple_SET_ITEM(view->shape, i, dim);
-        if (t->strides) {
-            int64_t byte_stride;
-            if (__builtin_mul_overflow(t->strides[i], itemsize, &byte_stride)) {
-                PyErr_Format(PyExc_BufferError, "DLPack tensor strides[%d] = %lld overflows in bytes", (int)i,
-                             (long long)t->strides[i]);
-                return -1;
-            }
-            PyObject *stride = PyLong_FromLongLong(byte_stride);
+    }
+    /* An empty array has no element to stride to: describe it as C-contiguous. Consumers that size the
+     * memory from the strides (CuPy takes the largest shape * stride) would otherwise look up the null
+     * pointer the interface asks for here and fail. */
+    if (strides_given && !empty) {
+        view->strides = PyTuple_New(arr->ndim);
+        if (view->strides == NULL)
+            return -1;
+        for (int32_t i = 0; i < arr->ndim; i++) {
+            PyObject *stride = PyLong_FromSsize_t(byte_strides[i]);
             if (stride == NULL)
                 return -1;
             PyTuple_SET_ITEM(view->strides, i, stride);
         }
     }
-    if (count == 0 && view->strides != Py_None) {
-        /* An empty array has no element to stride to: describe it as C-contiguous. Consumers that size the
-         * memory from the strides (CuPy takes the largest shape * stride) would otherwise look up the null
-         * pointer the interface asks for here and fail. */
-        Py_SETREF(view->strides, Py_NewRef(Py_None));
+    else {
+        view->strides = Py_NewRef(Py_None);
     }
-    uintptr_t address = count == 0 ? 0 : (uintptr_t)t->data + (uintptr_t)t->byte_offset;
-    view->data = Py_BuildValue("(NO)", PyLong_FromVoidPtr((void *)address), view->read_only ? Py_True : Py_False);
+    void *address = empty ? NULL : arr->data;
+    view->data = Py_BuildValue("(NO)", PyLong_FromVoidPtr(address), view->read_only ? Py_True : Py_False);
     return view->data ? 0 : -1;
 }
 
 /* Takes ownership of managed: on failure its deleter has run. */
-PyObject *cdl_view_new(void *managed, int versioned, int64_t stream)
+PyObject *cdl_view_new(cdl_managed managed, int64_t stream)
 {
-    DLTensor *tensor;
-    int read_only = 0;
-    if (versioned) {
-        DLManagedTensorVersioned *m = managed;
-        if (m->version.major > DLPACK_MAJOR_VERSION) {
-            PyErr_Format(PyExc_BufferError, "DLPack capsule has version %u.%u; this build reads major version %d",
-                         m->version.major, m->version.minor, DLPACK_MAJOR_VERSION);
-            cdl_call_deleter(managed, versioned);
-            return NULL;
-        }
-        tensor = &m->dl_tensor;
-        read_only = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+    cdl_array arr;
+    if (cdl_array_from_managed(managed, &arr) < 0) {
+        cdl_managed_delete(&managed);
+        return NULL;
     }
-    else {
-        tensor = &((DLManagedTensor *)managed)->dl_tensor;
-    }
-    cdl_view *view = PyObject_New(cdl_view, &cdl_view_type);
+    cdl_view *view = PyObject_NewVar(cdl_view, &cdl_view_type, 2 * (Py_ssize_t)arr.ndim);
     if (view == NULL) {
-        cdl_call_deleter(managed, versioned);
+        cdl_managed_delete(&managed);
         return NULL;
     }
     view->managed = managed;
-    view->tensor = tensor;
-    view->versioned = versioned;
-    view->read_only = read_only;
+    view->device = arr.device;
+    view->read_only = arr.read_only;
     view->stream = stream == CDL_STREAM_NO_SYNC ? 0 : stream;
     view->shape = view->strides = view->typestr = view->data = NULL;
-    view->buffer_dims = NULL;
     view->weakreflist = NULL;
-    if (cdl_view_describe(view) < 0) {
+    if (cdl_view_describe(view, &arr, cdl_managed_tensor(managed)->strides != NULL) < 0) {
         Py_DECREF(view); /* dealloc runs the deleter */
         return NULL;
     }
@@ -187,24 +130,10 @@ PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream)
     PyObject *capsule = PyCapsule_CheckExact(obj) ? Py_NewRef(obj) : cdl_call_dlpack(obj, stream);
     if (capsule == NULL)
         return NULL;
-    const char *name = PyCapsule_GetName(capsule);
-    int versioned = name != NULL && strcmp(name, "dltensor_versioned") == 0;
-    if (name == NULL || (!versioned && strcmp(name, "dltensor") != 0)) {
-        if (name != NULL && strncmp(name, "used_dltensor", 13) == 0)
-            PyErr_SetString(PyExc_BufferError, "this DLPack capsule was already consumed");
-        else if (!PyErr_Occurred())
-            PyErr_Format(PyExc_TypeError, "a PyCapsule named %s is not a DLPack tensor", name ? name : "NULL");
-        Py_DECREF(capsule);
-        return NULL;
-    }
-    void *managed = PyCapsule_GetPointer(capsule, name);
-    if (managed == NULL ||
-        PyCapsule_SetName(capsule, versioned ? "used_dltensor_versioned" : "used_dltensor") < 0) {
-        Py_DECREF(capsule);
-        return NULL;
-    }
+    cdl_managed managed;
+    int status = cdl_managed_from_capsule(capsule, &managed);
     Py_DECREF(capsule);
-    return cdl_view_new(managed, versioned, consumer);
+    return status < 0 ? NULL : cdl_view_new(managed, consumer);
 }
 
 /* ---- the view type ------------------------------------------------------------------------------- */
@@ -217,8 +146,7 @@ static void cdl_view_dealloc(cdl_view *self)
     Py_XDECREF(self->strides);
     Py_XDECREF(self->typestr);
     Py_XDECREF(self->data);
-    PyMem_Free(self->buffer_dims);
-    cdl_call_deleter(self->managed, self->versioned);
+    cdl_managed_delete(&self->managed);
     PyObject_Free(self);
 }
 
@@ -247,7 +175,7 @@ static PyObject *cdl_view_interface(cdl_view *self, int with_stream)
 static PyObject *cdl_view_get_cai(cdl_view *self, void *closure)
 {
     (void)closure;
-    if (!cdl_device_accessible(self->tensor->device.device_type)) {
+    if (!cdl_device_accessible(self->device.device_type)) {
         PyErr_SetString(PyExc_AttributeError,
                         "__cuda_array_interface__: this tensor is in host memory (kDLCPU); use "
                         "__array_interface__ or __dlpack__");
@@ -259,7 +187,7 @@ static PyObject *cdl_view_get_cai(cdl_view *self, void *closure)
 static PyObject *cdl_view_get_array_interface(cdl_view *self, void *closure)
 {
     (void)closure;
-    if (!cdl_host_accessible(self->tensor->device.device_type)) {
+    if (!cdl_host_accessible(self->device.device_type)) {
         PyErr_SetString(PyExc_AttributeError,
                         "__array_interface__: this tensor is in device memory (kDLCUDA); use "
                         "__cuda_array_interface__ or __dlpack__");
@@ -273,13 +201,13 @@ static PyObject *cdl_view_get_array_interface(cdl_view *self, void *closure)
  * and with it the tensor, until it is released. */
 static int cdl_view_getbuffer(cdl_view *self, Py_buffer *buffer, int flags)
 {
-    const DLTensor *t = self->tensor;
+    const DLTensor *t = cdl_managed_tensor(self->managed);
     buffer->obj = NULL;
-    if (!cdl_host_accessible(t->device.device_type)) {
+    if (!cdl_host_accessible(self->device.device_type)) {
         PyErr_Format(PyExc_BufferError,
                      "DLPackView of device memory (DLPack device type %d) has no host buffer; use "
                      "__cuda_array_interface__ or __dlpack__",
-                     (int)t->device.device_type);
+                     (int)self->device.device_type);
         return -1;
     }
     if ((flags & PyBUF_WRITABLE) == PyBUF_WRITABLE && self->read_only) {
@@ -287,25 +215,10 @@ static int cdl_view_getbuffer(cdl_view *self, Py_buffer *buffer, int flags)
         return -1;
     }
     int64_t itemsize = cdl_itemsize(t->dtype);
-    if (self->buffer_dims == NULL && t->ndim > 0) {
-        Py_ssize_t *dims = PyMem_Malloc(2 * (size_t)t->ndim * sizeof(Py_ssize_t));
-        if (dims == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        cdl_array arr;
-        cdl_array_from_view((PyObject *)self, &arr);
-        for (int32_t i = 0; i < t->ndim; i++) {
-            int64_t byte_stride; /* fits for explicit strides (cdl_view_describe checked); an absurd shape wraps */
-            (void)__builtin_mul_overflow(arr.strides[i], itemsize, &byte_stride);
-            dims[i] = (Py_ssize_t)arr.shape[i];
-            dims[t->ndim + i] = (Py_ssize_t)byte_stride;
-        }
-        self->buffer_dims = dims;
-    }
+    int ndim = (int)(Py_SIZE(self) / 2);
     int64_t length = itemsize;
-    for (int32_t i = 0; i < t->ndim; i++) {
-        if (__builtin_mul_overflow(length, t->shape[i], &length) || length > PY_SSIZE_T_MAX) {
+    for (int i = 0; i < ndim; i++) {
+        if (__builtin_mul_overflow(length, (int64_t)self->dims[i], &length) || length > PY_SSIZE_T_MAX) {
             PyErr_Format(PyExc_BufferError, "DLPackView shape %R has more bytes than a buffer can hold",
                          self->shape);
             return -1;
@@ -316,9 +229,9 @@ static int cdl_view_getbuffer(cdl_view *self, Py_buffer *buffer, int flags)
     buffer->readonly = self->read_only;
     buffer->itemsize = (Py_ssize_t)itemsize;
     buffer->format = (flags & PyBUF_FORMAT) == PyBUF_FORMAT ? (char *)cdl_format_from_dtype(t->dtype) : NULL;
-    buffer->ndim = (int)t->ndim;
-    buffer->shape = self->buffer_dims;
-    buffer->strides = t->ndim > 0 ? self->buffer_dims + t->ndim : NULL;
+    buffer->ndim = ndim;
+    buffer->shape = self->dims;
+    buffer->strides = ndim > 0 ? self->dims + ndim : NULL;
     buffer->suboffsets = NULL;
     buffer->internal = NULL;
     /* A consumer that takes no strides (or no shape) needs C-contiguous memory; the contiguity
@@ -331,7 +244,7 @@ static int cdl_view_getbuffer(cdl_view *self, Py_buffer *buffer, int flags)
         order = 'F';
     else if ((flags & PyBUF_ANY_CONTIGUOUS) == PyBUF_ANY_CONTIGUOUS)
         order = 'A';
-    if (order != 0 && t->ndim > 0 && !PyBuffer_IsContiguous(buffer, order)) {
+    if (order != 0 && ndim > 0 && !PyBuffer_IsContiguous(buffer, order)) {
         PyErr_Format(PyExc_BufferError, "DLPackView is not %s-contiguous, which the buffer consumer asked for",
                      order == 'C' ? "C" : order == 'F' ? "Fortran" : "C- or Fortran");
         return -1;
@@ -369,7 +282,7 @@ static PyObject *cdl_view_get_typestr(cdl_view *self, void *closure)
 static PyObject *cdl_view_get_device(cdl_view *self, void *closure)
 {
     (void)closure;
-    return cdl_device_tuple(self->tensor->device);
+    return cdl_device_tuple(self->device);
 }
 
 static PyObject *cdl_view_get_read_only(cdl_view *self, void *closure)
@@ -378,26 +291,15 @@ static PyObject *cdl_view_get_read_only(cdl_view *self, void *closure)
     return PyBool_FromLong(self->read_only);
 }
 
-const DLTensor *cdl_view_tensor(PyObject *view) { return ((cdl_view *)view)->tensor; }
+const DLTensor *cdl_view_tensor(PyObject *view) { return cdl_managed_tensor(((cdl_view *)view)->managed); }
 
 void cdl_array_from_view(PyObject *view, cdl_array *arr)
 {
     const cdl_view *self = (const cdl_view *)view;
-    const DLTensor *t = self->tensor;
-    arr->data = (char *)t->data + t->byte_offset;
-    arr->dtype = t->dtype;
-    arr->ndim = t->ndim;
-    arr->device = t->device;
-    arr->home_device = t->device.device_id; /* a producer's pinned or managed tensor says 0: no better guess */
-    arr->read_only = self->read_only;
+    /* Read when the view was made, and the producer's tensor does not change while we own it: the
+     * reader cannot fail here. */
+    (void)cdl_array_from_managed(self->managed, arr);
     arr->stream = self->stream;
-    for (int32_t i = 0; i < t->ndim; i++) {
-        arr->shape[i] = t->shape[i];
-        if (t->strides)
-            arr->strides[i] = t->strides[i];
-    }
-    if (!t->strides)
-        (void)cdl_contiguous_strides(t->ndim, arr->shape, arr->strides); /* an absurd shape wraps */
 }
 
 static PyObject *cdl_view_dlpack(cdl_view *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
@@ -413,14 +315,13 @@ static PyObject *cdl_view_dlpack(cdl_view *self, PyObject *const *args, Py_ssize
 static PyObject *cdl_view_dlpack_device(cdl_view *self, PyObject *unused)
 {
     (void)unused;
-    return cdl_device_tuple(self->tensor->device);
+    return cdl_device_tuple(self->device);
 }
 
 static PyObject *cdl_view_repr(cdl_view *self)
 {
     return PyUnicode_FromFormat("<cai_dlpack.DLPackView shape=%R typestr=%R device=(%d, %d)%s>", self->shape,
-                                self->typestr, (int)self->tensor->device.device_type,
-                                (int)self->tensor->device.device_id, self->read_only ? " read-only" : "");
+                                self->typestr, (int)self->device.device_type, (int)self->device.device_id, self->read_only ? " read-only" : "");
 }
 
 static PyGetSetDef cdl_view_getset[] = {
@@ -445,6 +346,7 @@ PyTypeObject cdl_view_type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cai_dlpack.DLPackView",
     .tp_basicsize = sizeof(cdl_view),
+    .tp_itemsize = sizeof(Py_ssize_t),
     .tp_dealloc = (destructor)cdl_view_dealloc,
     .tp_repr = (reprfunc)cdl_view_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT,

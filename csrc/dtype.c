@@ -1,6 +1,9 @@
-/* typestr <-> DLDataType: one table maps the type strings of the CAI and of NumPy's array
- * interface onto DLPack types, and back. */
+/* Every fact about element types: one table maps the type strings of the CAI and of NumPy's array
+ * interface, and the buffer protocol's formats, onto DLPack types and back; error messages list the
+ * supported types from it. Uses no other csrc/ file. */
 #include "cdl_internal.h"
+
+#include <string.h>
 
 typedef struct {
     char kind;          /* typestr kind character */
@@ -31,6 +34,8 @@ static const cdl_dtype_entry cdl_dtype_table[] = {
 
 /* The typestrs as Python strings, made once so a view never builds one per access. */
 static PyObject *cdl_typestr_objects[CDL_DTYPE_COUNT];
+/* "b1, i1, i2, ...": the typestrs an interface may use, for error messages. */
+static char cdl_supported_text[8 * CDL_DTYPE_COUNT];
 
 #if PY_BIG_ENDIAN
 #define CDL_FOREIGN_BYTE_ORDER '<'
@@ -44,11 +49,16 @@ int cdl_dtype_init(void)
         cdl_typestr_objects[i] = PyUnicode_InternFromString(cdl_dtype_table[i].typestr);
         if (cdl_typestr_objects[i] == NULL)
             return -1;
+        size_t used = strlen(cdl_supported_text);
+        PyOS_snprintf(cdl_supported_text + used, sizeof(cdl_supported_text) - used, "%s%c%d", i ? ", " : "",
+                      cdl_dtype_table[i].kind, (int)cdl_dtype_table[i].itemsize);
     }
     return 0;
 }
 
-int cdl_dtype_from_kind(char kind, Py_ssize_t itemsize, DLDataType *out)
+/* The table's type for a typestr kind character and an item size in bytes: 0, or -1 (no exception set)
+ * when there is none. */
+static int cdl_dtype_from_kind(char kind, Py_ssize_t itemsize, DLDataType *out)
 {
     for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
         const cdl_dtype_entry *entry = &cdl_dtype_table[i];
@@ -92,8 +102,37 @@ int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
         return 0;
 unsupported:
     PyErr_Format(PyExc_ValueError,
-                 "%s 'typestr' %R has no DLPack equivalent (supported: b1, i1-i8, u1-u8, f2-f8, c8, c16)", where,
-                 typestr);
+                 "%s 'typestr' %R has no DLPack equivalent (supported: %s)", where, typestr, cdl_supported_text);
+    return -1;
+}
+
+int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *out)
+{
+    if (format == NULL)
+        return cdl_dtype_from_kind('u', itemsize, out); /* plain bytes */
+    /* One item in native order and size: an optional native byte-order mark, then one character (or
+     * 'Z' and one, for complex). Anything else (another order, a repeat count, a structure) has no row. */
+#if PY_BIG_ENDIAN
+    if (*format == '@' || *format == '=' || *format == '>' || *format == '!')
+#else
+    if (*format == '@' || *format == '=' || *format == '<')
+#endif
+        format++;
+    size_t length = strlen(format);
+    for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
+        const char *known = cdl_dtype_table[i].format;
+        if (strcmp(known, format) == 0 && cdl_dtype_table[i].itemsize == itemsize)
+            return cdl_dtype_from_kind(cdl_dtype_table[i].kind, itemsize, out);
+    }
+    /* Formats of C's integer types whose size the table's fixed-size formats also cover: the size
+     * decides (a 'l' is 'q' on LP64). */
+    if (length == 1) {
+        static const char signed_formats[] = "bhilqn", unsigned_formats[] = "BHILQN";
+        if (strchr(signed_formats, format[0]))
+            return cdl_dtype_from_kind('i', itemsize, out);
+        if (strchr(unsigned_formats, format[0]))
+            return cdl_dtype_from_kind('u', itemsize, out);
+    }
     return -1;
 }
 
@@ -115,13 +154,21 @@ const char *cdl_format_from_dtype(DLDataType dtype)
     return row < 0 ? NULL : cdl_dtype_table[row].format;
 }
 
+int cdl_check_dtype(DLDataType dtype)
+{
+    if (cdl_row_of_dtype(dtype) >= 0)
+        return 0;
+    PyErr_Format(PyExc_BufferError,
+                 "DLPack dtype (code=%d, bits=%d, lanes=%d) has no array-interface typestr (supported: %s)",
+                 (int)dtype.code, (int)dtype.bits, (int)dtype.lanes, cdl_supported_text);
+    return -1;
+}
+
 PyObject *cdl_typestr_from_dtype(DLDataType dtype)
 {
     int row = cdl_row_of_dtype(dtype);
     if (row >= 0)
         return Py_NewRef(cdl_typestr_objects[row]);
-    PyErr_Format(PyExc_BufferError,
-                 "DLPack dtype (code=%d, bits=%d, lanes=%d) has no array-interface typestr",
-                 (int)dtype.code, (int)dtype.bits, (int)dtype.lanes);
+    (void)cdl_check_dtype(dtype);
     return NULL;
 }

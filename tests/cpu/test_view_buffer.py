@@ -118,12 +118,22 @@ def test_device_memory_has_no_buffer():
 
 
 def test_shape_too_large_for_a_buffer():
+    # Broadcast (zero strides): 2**62 elements in 8 bytes of memory, more than a buffer's length can say.
     base = np.zeros(4)
     made = MadeTensor(data=base.__array_interface__["data"][0], device=(kDLCPU, 0), dtype=(kDLFloat, 64, 1),
-                      shape=(1 << 40, 1 << 30))
+                      shape=(1 << 31, 1 << 31), strides=(0, 0))
     view = dlpack2cai(made.capsule)
     with pytest.raises(BufferError, match="more bytes than a buffer can hold"):
         memoryview(view)
+
+
+def test_element_count_past_64_bits_is_refused_at_the_door():
+    base = np.zeros(4)
+    made = MadeTensor(data=base.__array_interface__["data"][0], device=(kDLCPU, 0), dtype=(kDLFloat, 64, 1),
+                      shape=(1 << 40, 1 << 30))
+    with pytest.raises(BufferError, match="more elements than fit in 64 bits"):
+        dlpack2cai(made.capsule)
+    assert made.deleted == 1
 
 
 def test_empty_tensor_with_null_data():

@@ -1,0 +1,244 @@
+/* DLPack managed tensors, legacy (DLManagedTensor) or versioned (DLManagedTensorVersioned): the one
+ * place that knows both layouts. Capsule names, the tagged handle's deleter, our one-allocation export
+ * (written out as either layout), capsules, and the reader that validates a foreign tensor into the
+ * neutral record. */
+#include "cdl_internal.h"
+
+#include <string.h>
+
+const char cdl_capsule_name_legacy[] = "dltensor";
+const char cdl_capsule_name_versioned[] = "dltensor_versioned";
+/* What a consumer renames a capsule to once it owns the tensor. */
+static const char cdl_used_name_legacy[] = "used_dltensor";
+static const char cdl_used_name_versioned[] = "used_dltensor_versioned";
+
+void cdl_managed_delete(cdl_managed *managed)
+{
+    if (managed->pointer == NULL)
+        return;
+    cdl_pending_error pending;
+    cdl_error_stash(&pending);
+    if (managed->versioned) {
+        DLManagedTensorVersioned *m = managed->pointer;
+        if (m->deleter)
+            m->deleter(m);
+    }
+    else {
+        DLManagedTensor *m = managed->pointer;
+        if (m->deleter)
+            m->deleter(m);
+    }
+    managed->pointer = NULL;
+    cdl_error_unstash(&pending);
+}
+
+/* ---- our export ---------------------------------------------------------------------------------- */
+
+/* One allocation per export: the managed tensor, the references it holds, then shape and strides. */
+typedef struct {
+    union {
+        DLManagedTensor legacy;
+        DLManagedTensorVersioned versioned;
+    } managed;
+    PyObject *owner;
+    PyObject *keepalive;
+    int64_t dims[];
+} cdl_export_block;
+
+/* Runs on any thread, with or without the GIL, possibly during interpreter shutdown. */
+static void cdl_release_block(cdl_export_block *block)
+{
+    if (Py_IsInitialized() && !cdl_interpreter_finalizing()) {
+        if (PyGILState_Check()) {
+            /* The common case: a capsule or view dying under the GIL. */
+            Py_XDECREF(block->owner);
+            Py_XDECREF(block->keepalive);
+        }
+        else {
+            PyGILState_STATE state = PyGILState_Ensure();
+            Py_XDECREF(block->owner);
+            Py_XDECREF(block->keepalive);
+            PyGILState_Release(state);
+        }
+    }
+    /* Otherwise the interpreter is gone or going: its objects must not be touched, so the
+     * references are left behind with it. */
+    PyMem_RawFree(block);
+}
+
+static void cdl_delete_legacy(DLManagedTensor *self) { cdl_release_block(self->manager_ctx); }
+
+static void cdl_delete_versioned(DLManagedTensorVersioned *self) { cdl_release_block(self->manager_ctx); }
+
+cdl_managed cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned)
+{
+    cdl_managed managed = {NULL, versioned};
+    size_t ndim = (size_t)arr->ndim;
+    cdl_export_block *block = PyMem_RawMalloc(sizeof(cdl_export_block) + 2 * ndim * sizeof(int64_t));
+    if (block == NULL) {
+        PyErr_NoMemory();
+        return managed;
+    }
+    DLTensor *tensor;
+    if (versioned) {
+        DLManagedTensorVersioned *m = &block->managed.versioned;
+        m->version.major = DLPACK_MAJOR_VERSION;
+        m->version.minor = DLPACK_MINOR_VERSION;
+        m->manager_ctx = block;
+        m->deleter = cdl_delete_versioned;
+        m->flags = arr->read_only ? DLPACK_FLAG_BITMASK_READ_ONLY : 0;
+        tensor = &m->dl_tensor;
+        managed.pointer = m;
+    }
+    else {
+        DLManagedTensor *m = &block->managed.legacy;
+        m->manager_ctx = block;
+        m->deleter = cdl_delete_legacy;
+        tensor = &m->dl_tensor;
+        managed.pointer = m;
+    }
+    tensor->data = arr->data;
+    tensor->device = arr->device;
+    tensor->ndim = arr->ndim;
+    tensor->dtype = arr->dtype;
+    tensor->shape = block->dims;
+    tensor->strides = block->dims + ndim;
+    tensor->byte_offset = 0;
+    if (ndim > 0) {
+        memcpy(block->dims, arr->shape, ndim * sizeof(int64_t));
+        memcpy(block->dims + ndim, arr->strides, ndim * sizeof(int64_t));
+    }
+    block->owner = Py_XNewRef(owner);
+    block->keepalive = Py_XNewRef(keepalive);
+    return managed;
+}
+
+/* ---- capsules ------------------------------------------------------------------------------------ */
+
+/* Frees the tensor of a capsule nobody consumed; a consumer renames the capsule 'used_*'. Capsules
+ * die while exceptions are in flight (a consumer that refused the tensor, say): the pending
+ * exception must come through untouched. */
+static void cdl_capsule_destructor(PyObject *capsule)
+{
+    /* A consumer renames the capsule with a string of its own, so our own pointers mean "unconsumed". */
+    const char *name = PyCapsule_GetName(capsule);
+    if (name != cdl_capsule_name_legacy && name != cdl_capsule_name_versioned)
+        return;
+    cdl_managed managed = {PyCapsule_GetPointer(capsule, name), name == cdl_capsule_name_versioned};
+    if (managed.pointer == NULL) {
+        PyErr_WriteUnraisable(capsule);
+        return;
+    }
+    cdl_managed_delete(&managed);
+}
+
+PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned)
+{
+    cdl_managed managed = cdl_managed_from_array(arr, owner, keepalive, versioned);
+    if (managed.pointer == NULL)
+        return NULL;
+    PyObject *capsule = PyCapsule_New(managed.pointer, versioned ? cdl_capsule_name_versioned : cdl_capsule_name_legacy,
+                                      cdl_capsule_destructor);
+    if (capsule == NULL)
+        cdl_managed_delete(&managed);
+    return capsule;
+}
+
+int cdl_managed_from_capsule(PyObject *capsule, cdl_managed *out)
+{
+    out->pointer = NULL;
+    const char *name = PyCapsule_GetName(capsule);
+    if (name == NULL)
+        return -1;
+    out->versioned = strcmp(name, cdl_capsule_name_versioned) == 0;
+    if (!out->versioned && strcmp(name, cdl_capsule_name_legacy) != 0) {
+        if (strcmp(name, cdl_used_name_legacy) == 0 || strcmp(name, cdl_used_name_versioned) == 0)
+            PyErr_SetString(PyExc_BufferError, "this DLPack capsule was already consumed");
+        else
+            PyErr_Format(PyExc_TypeError, "a PyCapsule named %s is not a DLPack tensor", name);
+        return -1;
+    }
+    void *pointer = PyCapsule_GetPointer(capsule, name);
+    if (pointer == NULL ||
+        PyCapsule_SetName(capsule, out->versioned ? cdl_used_name_versioned : cdl_used_name_legacy) < 0)
+        return -1;
+    out->pointer = pointer;
+    return 0;
+}
+
+/* ---- reading a foreign tensor -------------------------------------------------------------------- */
+
+int cdl_array_from_managed(cdl_managed managed, cdl_array *out)
+{
+    if (managed.versioned) {
+        const DLManagedTensorVersioned *m = managed.pointer;
+        if (m->version.major > DLPACK_MAJOR_VERSION) {
+            PyErr_Format(PyExc_BufferError, "DLPack capsule has version %u.%u; this build reads major version %d",
+                         m->version.major, m->version.minor, DLPACK_MAJOR_VERSION);
+            return -1;
+        }
+    }
+    const DLTensor *t = cdl_managed_tensor(managed);
+    DLDeviceType type = t->device.device_type;
+    if (!cdl_host_accessible(type) && !cdl_device_accessible(type)) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack device type %d is neither CUDA nor host memory; only kDLCPU, kDLCUDA, kDLCUDAHost "
+                     "and kDLCUDAManaged tensors can be described by an array interface",
+                     (int)type);
+        return -1;
+    }
+    if (t->ndim < 0 || t->ndim > CDL_MAX_NDIM || (t->ndim > 0 && t->shape == NULL)) {
+        PyErr_Format(PyExc_BufferError, "DLPack tensor has ndim %d%s; 0 to %d dimensions with a shape are supported",
+                     (int)t->ndim, t->ndim > 0 && t->shape == NULL ? " and no shape" : "", CDL_MAX_NDIM);
+        return -1;
+    }
+    if (cdl_check_dtype(t->dtype) < 0)
+        return -1;
+    int64_t itemsize = cdl_itemsize(t->dtype);
+    out->dtype = t->dtype;
+    out->ndim = t->ndim;
+    for (int32_t i = 0; i < t->ndim; i++) {
+        out->shape[i] = t->shape[i];
+        if (out->shape[i] < 0) {
+            PyErr_Format(PyExc_BufferError, "DLPack tensor shape[%d] is %lld", (int)i, (long long)t->shape[i]);
+            return -1;
+        }
+        int64_t byte_stride;
+        if (t->strides != NULL && __builtin_mul_overflow(t->strides[i], itemsize, &byte_stride)) {
+            PyErr_Format(PyExc_BufferError, "DLPack tensor strides[%d] = %lld overflows in bytes", (int)i,
+                         (long long)t->strides[i]);
+            return -1;
+        }
+    }
+    if (t->strides != NULL)
+        memcpy(out->strides, t->strides, (size_t)t->ndim * sizeof(int64_t));
+    else
+        (void)cdl_contiguous_strides(t->ndim, out->shape, out->strides); /* wraps only past the count check */
+    uintptr_t address = (uintptr_t)t->data + (uintptr_t)t->byte_offset;
+    int64_t low, high;
+    switch (cdl_measure_extent(out, itemsize, &low, &high)) {
+    case CDL_EXTENT_COUNT_OVERFLOW:
+        PyErr_SetString(PyExc_BufferError, "DLPack tensor shape has more elements than fit in 64 bits");
+        return -1;
+    case CDL_EXTENT_OVERFLOW:
+        PyErr_SetString(PyExc_BufferError, "DLPack tensor shape and strides reach outside the address space");
+        return -1;
+    case CDL_EXTENT_OK:
+        if (!cdl_extent_fits(address, low, high)) {
+            PyErr_Format(PyExc_BufferError,
+                         "DLPack tensor data %p + byte_offset %llu with its shape and strides reaches outside the "
+                         "address space",
+                         t->data, (unsigned long long)t->byte_offset);
+            return -1;
+        }
+        break;
+    case CDL_EXTENT_EMPTY:
+        break;
+    }
+    out->data = (void *)address;
+    out->device = t->device;
+    out->home_device = t->device.device_id; /* a producer's pinned or managed tensor says 0: no better guess */
+    out->read_only = cdl_managed_read_only(managed);
+    out->stream = 0;
+    return 0;
+}

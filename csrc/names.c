@@ -1,0 +1,75 @@
+/* The strings and argument parsing every file shares: interned names of interface keys, attributes and
+ * keywords, and keyword-only argument parsing for vectorcall functions. Uses no other csrc/ file. */
+#include "cdl_internal.h"
+
+cdl_names cdl_name;
+
+int cdl_names_init(void)
+{
+    struct {
+        PyObject **slot;
+        const char *text;
+    } table[] = {
+        {&cdl_name.shape, "shape"},
+        {&cdl_name.typestr, "typestr"},
+        {&cdl_name.data, "data"},
+        {&cdl_name.strides, "strides"},
+        {&cdl_name.version, "version"},
+        {&cdl_name.mask, "mask"},
+        {&cdl_name.stream, "stream"},
+        {&cdl_name.offset, "offset"},
+        {&cdl_name.descr, "descr"},
+        {&cdl_name.cuda_array_interface, "__cuda_array_interface__"},
+        {&cdl_name.array_interface, "__array_interface__"},
+        {&cdl_name.dlpack, "__dlpack__"},
+        {&cdl_name.dlpack_device, "__dlpack_device__"},
+        {&cdl_name.max_version, "max_version"},
+        {&cdl_name.dl_device, "dl_device"},
+        {&cdl_name.copy, "copy"},
+        {&cdl_name.owner, "owner"},
+        {&cdl_name.sync, "sync"},
+        {&cdl_name.export_stream, "export_stream"},
+    };
+    for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++) {
+        *table[i].slot = PyUnicode_InternFromString(table[i].text);
+        if (*table[i].slot == NULL)
+            return -1;
+    }
+    return 0;
+}
+
+int cdl_parse_keywords(const char *func, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                       Py_ssize_t npositional, PyObject *const *names, PyObject **values, int count)
+{
+    if (nargs != npositional) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd positional argument%s but %zd were given", func, npositional,
+                     npositional == 1 ? "" : "s", nargs);
+        return -1;
+    }
+    Py_ssize_t given = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < given; k++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+        int i = 0;
+        while (i < count && key != names[i])
+            i++;
+        if (i == count) {
+            /* Keyword names are usually the interned strings themselves; compare text otherwise. */
+            i = 0;
+            while (i < count && PyUnicode_Compare(key, names[i]) != 0)
+                i++;
+        }
+        if (i == count) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", func, key);
+            return -1;
+        }
+        values[i] = args[nargs + k];
+    }
+    return 0;
+}
+
+int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **values)
+{
+    PyObject *names[] = {cdl_name.stream, cdl_name.max_version, cdl_name.dl_device, cdl_name.copy};
+    values[0] = values[1] = values[2] = values[3] = NULL;
+    return cdl_parse_keywords("__dlpack__", args, nargs, kwnames, 0, names, values, 4);
+}

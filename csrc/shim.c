@@ -1,0 +1,132 @@
+/* DLPackShim: gives an object with __cuda_array_interface__ (or __array_interface__) the DLPack
+ * protocol, reading the wrapped object's interface at each call. */
+#include "cdl_internal.h"
+
+static PyObject *cdl_host_device; /* (kDLCPU, 0) */
+
+static PyObject *cdl_shim_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *obj;
+    static char *keywords[] = {"obj", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:DLPackShim", keywords, &obj))
+        return NULL;
+    if (PyDict_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "DLPackShim wraps an object that owns its memory, not a bare interface dict; use "
+                        "cai2dlpack(d, owner=...) for a dict");
+        return NULL;
+    }
+    cdl_shim *self = (cdl_shim *)type->tp_alloc(type, 0);
+    if (self != NULL)
+        self->obj = Py_NewRef(obj);
+    return (PyObject *)self;
+}
+
+static int cdl_shim_traverse(cdl_shim *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->obj);
+    return 0;
+}
+
+static int cdl_shim_clear(cdl_shim *self)
+{
+    Py_CLEAR(self->obj);
+    return 0;
+}
+
+static void cdl_shim_dealloc(cdl_shim *self)
+{
+    PyObject_GC_UnTrack(self);
+    if (self->weakreflist != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    cdl_shim_clear(self);
+    PyMem_Free(self->dims);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *values[4];
+    if (cdl_parse_dlpack_keywords(args, nargs, kwnames, values) < 0)
+        return NULL;
+    cdl_array arr;
+    PyObject *keepalive;
+    if (cdl_array_from_object(self->obj, &arr, &keepalive) < 0)
+        return NULL;
+    PyObject *capsule = cdl_export(&arr, self->obj, keepalive, values[0], values[1], values[2], values[3]);
+    Py_XDECREF(keepalive);
+    return capsule;
+}
+
+static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
+{
+    (void)unused;
+    PyObject *iface;
+    int found = cdl_lookup_attribute(self->obj, cdl_name.cuda_array_interface, &iface);
+    if (found < 0)
+        return NULL;
+    if (found == 0 && _PyType_Lookup(Py_TYPE(self->obj), cdl_name.array_interface) != NULL) {
+        /* Array-interface memory is host memory: no need to build the interface (NumPy makes a new
+         * dict on each access) just to say so. */
+        return Py_NewRef(cdl_host_device);
+    }
+    cdl_array arr;
+    PyObject *keepalive;
+    int status = found ? cdl_array_from_interface(iface, CDL_SOURCE_CAI, self->obj, &arr, &keepalive)
+                       : cdl_array_from_object(self->obj, &arr, &keepalive);
+    Py_XDECREF(iface);
+    if (status < 0)
+        return NULL;
+    Py_XDECREF(keepalive);
+    return cdl_device_tuple(arr.device);
+}
+
+static PyObject *cdl_shim_repr(cdl_shim *self)
+{
+    return PyUnicode_FromFormat("cai_dlpack.DLPackShim(%R)", self->obj);
+}
+
+static PyMethodDef cdl_shim_methods[] = {
+    {"__dlpack__", (PyCFunction)(void (*)(void))cdl_shim_dlpack, METH_FASTCALL | METH_KEYWORDS,
+     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n\n"
+     "Reads the wrapped object's interface now and returns a DLPack capsule sharing its memory."},
+    {"__dlpack_device__", (PyCFunction)cdl_shim_dlpack_device, METH_NOARGS,
+     "(DLDeviceType, device_id) of the wrapped object's data, without building a capsule."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyObject *cdl_shim_get_obj(cdl_shim *self, void *closure)
+{
+    (void)closure;
+    return Py_NewRef(self->obj);
+}
+
+static PyGetSetDef cdl_shim_getset[] = {
+    {"obj", (getter)cdl_shim_get_obj, NULL, "the wrapped object", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyTypeObject cdl_shim_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cai_dlpack.DLPackShim",
+    .tp_basicsize = sizeof(cdl_shim),
+    .tp_dealloc = (destructor)cdl_shim_dealloc,
+    .tp_repr = (reprfunc)cdl_shim_repr,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "DLPackShim(obj)\n\nGives any object with __cuda_array_interface__ (or __array_interface__) the "
+              "DLPack protocol, so torch.from_dlpack(DLPackShim(obj)) shares its memory.",
+    .tp_traverse = (traverseproc)cdl_shim_traverse,
+    .tp_clear = (inquiry)cdl_shim_clear,
+    .tp_weaklistoffset = offsetof(cdl_shim, weakreflist),
+    .tp_methods = cdl_shim_methods,
+    .tp_getset = cdl_shim_getset,
+    .tp_new = cdl_shim_new,
+};
+
+int cdl_shim_type_init(void)
+{
+    cdl_host_device = Py_BuildValue("(ii)", (int)kDLCPU, 0);
+    if (cdl_host_device == NULL)
+        return -1;
+    return PyType_Ready(&cdl_shim_type);
+}
