@@ -20,6 +20,29 @@ static int cdl_array_of(PyObject *obj, cdl_array *arr, PyObject **owner, PyObjec
     return cdl_array_from_object(*owner, arr, keepalive);
 }
 
+/* The borrowed path keeps nothing: drops keepalive (the memoryview of a buffer an array interface named),
+ * refusing the tensor when that buffer would die with it. obj's own buffer lives as long as obj; a
+ * buffer object its interface made for this one access (NumPy's protocol allows a fresh one each time)
+ * is freed on return, and a borrowed tensor would point into freed memory. Returns 0, or -1 with
+ * BufferError. */
+static int cdl_release_borrowed_buffer(PyObject *owner, PyObject *keepalive)
+{
+    if (keepalive == NULL)
+        return 0;
+    PyObject *exporter = Py_XNewRef(PyMemoryView_GET_BUFFER(keepalive)->obj);
+    Py_DECREF(keepalive);
+    /* After the view is gone, a count of one is our own reference: nothing else holds the buffer. */
+    int dying = exporter != NULL && exporter != owner && Py_REFCNT(exporter) == 1;
+    if (dying)
+        PyErr_Format(PyExc_BufferError,
+                     "the %.200s that %.200s's __array_interface__ 'data' names is held by nothing but this call, "
+                     "so a borrowed tensor would outlive its memory; take an owning tensor (to_managed_tensor, "
+                     "managed_tensor_from_py_object_no_sync) instead",
+                     Py_TYPE(exporter)->tp_name, Py_TYPE(owner)->tp_name);
+    Py_XDECREF(exporter);
+    return dying ? -1 : 0;
+}
+
 /* The stream argument for obj.__dlpack__: None for host producers (the array API allows no other),
  * the consumer's stream otherwise. A new reference, or NULL with an exception set. */
 static PyObject *cdl_stream_for_producer(PyObject *obj, int64_t consumer_stream)
@@ -29,11 +52,24 @@ static PyObject *cdl_stream_for_producer(PyObject *obj, int64_t consumer_stream)
         if (!PyErr_ExceptionMatches(PyExc_AttributeError))
             return NULL;
         PyErr_Clear();
+        return PyLong_FromLongLong(consumer_stream);
     }
-    int host = device != NULL && PyTuple_Check(device) && PyTuple_GET_SIZE(device) == 2 &&
-               PyLong_Check(PyTuple_GET_ITEM(device, 0)) && PyLong_AsLong(PyTuple_GET_ITEM(device, 0)) == kDLCPU;
-    Py_XDECREF(device);
-    return host ? Py_NewRef(Py_None) : PyLong_FromLongLong(consumer_stream);
+    int overflow = 0;
+    long type = -1;
+    if (PyTuple_Check(device) && PyTuple_GET_SIZE(device) == 2 && PyLong_Check(PyTuple_GET_ITEM(device, 0)) &&
+        PyLong_Check(PyTuple_GET_ITEM(device, 1)))
+        type = PyLong_AsLongAndOverflow(PyTuple_GET_ITEM(device, 0), &overflow);
+    if (type < 0 || overflow || type > INT32_MAX) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError,
+                         "%.200s.__dlpack_device__() returned %R, not a (device_type, device_id) pair of DLPack "
+                         "device numbers",
+                         Py_TYPE(obj)->tp_name, device);
+        Py_DECREF(device);
+        return NULL;
+    }
+    Py_DECREF(device);
+    return type == kDLCPU ? Py_NewRef(Py_None) : PyLong_FromLongLong(consumer_stream);
 }
 
 /* The array API's stream rule for C callers: -1, 1, 2 or a handle; 0 and other negatives are refused. */
@@ -84,11 +120,8 @@ static int cdl_api_fill_tensor(PyObject *obj, int64_t consumer_stream, DLTensor 
         return -1;
     cdl_array arr;
     PyObject *owner, *keepalive;
-    if (cdl_array_of(obj, &arr, &owner, &keepalive) < 0)
+    if (cdl_array_of(obj, &arr, &owner, &keepalive) < 0 || cdl_release_borrowed_buffer(owner, keepalive) < 0)
         return -1;
-    /* A buffer's memoryview is the only thing keepalive holds, and the buffer is owned by obj's
-     * interface: the borrowed tensor lives as long as obj does. */
-    Py_XDECREF(keepalive);
     if (arr.ndim > capacity) {
         PyErr_Format(PyExc_ValueError, "the array has %d dimensions but the caller's storage holds %d",
                      (int)arr.ndim, capacity);

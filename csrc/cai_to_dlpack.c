@@ -150,7 +150,7 @@ static Py_ssize_t cdl_read_int_sequence(PyObject *sequence, cdl_source source, c
     }
     Py_ssize_t length = PySequence_Fast_GET_SIZE(sequence);
     if (length > CDL_MAX_NDIM) {
-        PyErr_Format(PyExc_ValueError, "%s '%s' has %zd entries; at most %d dimensions are supported",
+        PyErr_Format(cdl_UnsupportedError, "%s '%s' has %zd entries; at most %d dimensions are supported",
                      cdl_source_name(source), key, length, CDL_MAX_NDIM);
         return -1;
     }
@@ -317,7 +317,7 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
         }
         for (Py_ssize_t i = 0; i < ndim; i++) {
             if (!cdl_divide_exactly(byte_strides[i], itemsize, &out->strides[i])) {
-                PyErr_Format(PyExc_ValueError,
+                PyErr_Format(cdl_UnsupportedError,
                              "%s 'strides'[%zd] is %lld bytes, not a multiple of the itemsize %lld; DLPack "
                              "strides count elements",
                              cdl_source_name(source), i, (long long)byte_strides[i], (long long)itemsize);
@@ -338,7 +338,7 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
 
     value = entries[CDL_MASK];
     if (value != NULL && value != Py_None) {
-        PyErr_Format(PyExc_BufferError, "%s 'mask' is set (%.200s); DLPack has no masked arrays",
+        PyErr_Format(cdl_UnsupportedError, "%s 'mask' is set (%.200s); DLPack has no masked arrays",
                      cdl_source_name(source), Py_TYPE(value)->tp_name);
         goto done;
     }

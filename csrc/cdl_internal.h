@@ -133,7 +133,7 @@ static inline int cdl_extent_fits(uintptr_t address, int64_t low, int64_t high)
     return !(0 - (uint64_t)low > address || (uint64_t)high - 1 > UINTPTR_MAX - address);
 }
 
-/* names.c: the strings and argument parsing every file shares ----------------------------------- */
+/* names.c: the strings, argument parsing and error type every file shares ----------------------------------- */
 /* Interned strings for the keys and attribute names read on hot paths. */
 typedef struct {
     PyObject *shape, *typestr, *data, *strides, *version, *mask, *stream, *offset, *descr;
@@ -141,6 +141,9 @@ typedef struct {
     PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream;
 } cdl_names;
 extern cdl_names cdl_name;
+/* cai_dlpack.UnsupportedArrayError (a BufferError and a ValueError): valid data that DLPack, or an array
+ * interface, cannot describe. Malformed arguments and interfaces raise TypeError / ValueError. */
+extern PyObject *cdl_UnsupportedError;
 int cdl_names_init(void);
 /* Keyword-only argument parsing for vectorcall methods: names[i] matched into values[i]
  * (borrowed; untouched when absent). Returns 0, or -1 with TypeError. */
@@ -150,16 +153,17 @@ int cdl_parse_keywords(const char *func, PyObject *const *args, Py_ssize_t nargs
 int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **values);
 
 /* dtype.c: every fact about element types ------------------------------------------------------- */
-/* Returns 0 with *out filled, or -1 with ValueError/TypeError naming where (the interface) and the typestr. */
+/* Returns 0 with *out filled, or -1 naming where (the interface) and the typestr: TypeError for a non-str,
+ * UnsupportedArrayError for a type DLPack cannot describe. */
 int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out);
 /* The type of one native-order item of a buffer-protocol format (NULL: plain bytes) of itemsize bytes:
  * 0, or -1 (no exception set) when the table has none. */
 int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *out);
 /* The buffer-protocol format of dtype (native order and sizes), or NULL when the table has none. */
 const char *cdl_format_from_dtype(DLDataType dtype);
-/* Returns a new reference to the typestr of dtype, or NULL with BufferError naming code/bits/lanes. */
+/* Returns a new reference to the typestr of dtype, or NULL with UnsupportedArrayError naming code/bits/lanes. */
 PyObject *cdl_typestr_from_dtype(DLDataType dtype);
-/* 0 when an array interface can describe dtype, else -1 with the BufferError above. */
+/* 0 when an array interface can describe dtype, else -1 with the UnsupportedArrayError above. */
 int cdl_check_dtype(DLDataType dtype);
 /* Bytes per element of a dtype the table knows. */
 static inline int64_t cdl_itemsize(DLDataType dtype) { return ((int64_t)dtype.bits * dtype.lanes + 7) / 8; }

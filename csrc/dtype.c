@@ -1,6 +1,6 @@
 /* Every fact about element types: one table maps the type strings of the CAI and of NumPy's array
  * interface, and the buffer protocol's formats, onto DLPack types and back; error messages list the
- * supported types from it. Uses no other csrc/ file. */
+ * supported types from it. Uses no other csrc/ file but names.c (its error type). */
 #include "cdl_internal.h"
 
 #include <string.h>
@@ -86,7 +86,7 @@ int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
         goto unsupported;
     char order = text[0];
     if (order == CDL_FOREIGN_BYTE_ORDER) {
-        PyErr_Format(PyExc_ValueError,
+        PyErr_Format(cdl_UnsupportedError,
                      "%s 'typestr' %R has non-native byte order, which DLPack cannot describe", where, typestr);
         return -1;
     }
@@ -101,7 +101,7 @@ int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
     if (cdl_dtype_from_kind(text[1], itemsize, out) == 0)
         return 0;
 unsupported:
-    PyErr_Format(PyExc_ValueError,
+    PyErr_Format(cdl_UnsupportedError,
                  "%s 'typestr' %R has no DLPack equivalent (supported: %s)", where, typestr, cdl_supported_text);
     return -1;
 }
@@ -158,7 +158,7 @@ int cdl_check_dtype(DLDataType dtype)
 {
     if (cdl_row_of_dtype(dtype) >= 0)
         return 0;
-    PyErr_Format(PyExc_BufferError,
+    PyErr_Format(cdl_UnsupportedError,
                  "DLPack dtype (code=%d, bits=%d, lanes=%d) has no array-interface typestr (supported: %s)",
                  (int)dtype.code, (int)dtype.bits, (int)dtype.lanes, cdl_supported_text);
     return -1;

@@ -85,6 +85,7 @@ PyMODINIT_FUNC PyInit__core(void)
     if (module == NULL)
         return NULL;
     if (PyModule_AddObjectRef(module, "CudaError", cdl_CudaError) < 0 ||
+        PyModule_AddObjectRef(module, "UnsupportedArrayError", cdl_UnsupportedError) < 0 ||
         PyModule_AddObjectRef(module, "DLPackShim", (PyObject *)&cdl_shim_type) < 0 ||
         PyModule_AddObjectRef(module, "DLPackView", (PyObject *)&cdl_view_type) < 0 ||
         cdl_add_new_object(module, "DLPACK_VERSION", Py_BuildValue("(ii)", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION)) < 0 ||

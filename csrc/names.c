@@ -1,8 +1,10 @@
-/* The strings and argument parsing every file shares: interned names of interface keys, attributes and
- * keywords, and keyword-only argument parsing for vectorcall functions. Uses no other csrc/ file. */
+/* What every file shares: interned names of interface keys, attributes and keywords, keyword-only
+ * argument parsing for vectorcall functions, and the error for data one protocol cannot describe in the
+ * other. Uses no other csrc/ file. */
 #include "cdl_internal.h"
 
 cdl_names cdl_name;
+PyObject *cdl_UnsupportedError;
 
 int cdl_names_init(void)
 {
@@ -35,7 +37,18 @@ int cdl_names_init(void)
         if (*table[i].slot == NULL)
             return -1;
     }
-    return 0;
+    /* A BufferError, as the array API asks of __dlpack__ for data DLPack cannot describe (consumers fall
+     * back on it), and a ValueError, as such data was refused before. */
+    PyObject *bases = PyTuple_Pack(2, PyExc_BufferError, PyExc_ValueError);
+    if (bases == NULL)
+        return -1;
+    cdl_UnsupportedError = PyErr_NewExceptionWithDoc(
+        "cai_dlpack.UnsupportedArrayError",
+        "Valid data that the other protocol cannot describe (a type, byte order, stride or mask). "
+        "A BufferError and a ValueError.",
+        bases, NULL);
+    Py_DECREF(bases);
+    return cdl_UnsupportedError ? 0 : -1;
 }
 
 int cdl_parse_keywords(const char *func, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,

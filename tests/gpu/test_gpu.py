@@ -1,7 +1,6 @@
 """On a real GPU: PyTorch, CuPy and numba-cuda as producers and consumers, memory kinds, and stream
 ordering that keeps the host free. Skipped (with the reason) where there is no GPU."""
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -185,14 +184,11 @@ def test_host_is_not_blocked_while_producer_is_busy():
     DLPackShim(Wrapped(cupy.zeros(4), idle.ptr)).__dlpack__(stream=consumer.ptr)  # load the runtime, make the event
     x, producer = busy_producer(100)
     shim = DLPackShim(Wrapped(x, producer.ptr))
-    start = time.perf_counter()
     capsule = shim.__dlpack__(stream=consumer.ptr, max_version=(1, 0))
-    host_seconds = time.perf_counter() - start
     still_busy = not producer.done
     consumer.synchronize()
-    print(f"host time of a conversion while the producer stream is busy: {host_seconds * 1e6:.1f} us")
+    # How long the conversion took is measured by benchmarks/gpu.py; here only that it did not wait.
     assert still_busy  # the conversion returned while the producer was still working
-    assert host_seconds < 0.005
     view = dlpack2cai(capsule, stream=consumer.ptr)
     assert float(cupy.asarray(view).sum()) == x.size
 
