@@ -197,23 +197,31 @@ int cdl_array_from_managed(cdl_managed managed, cdl_array *out)
     int64_t itemsize = cdl_itemsize(t->dtype);
     out->dtype = t->dtype;
     out->ndim = t->ndim;
+    int empty = 0;
     for (int32_t i = 0; i < t->ndim; i++) {
         out->shape[i] = t->shape[i];
         if (out->shape[i] < 0) {
             PyErr_Format(PyExc_BufferError, "DLPack tensor shape[%d] is %lld", (int)i, (long long)t->shape[i]);
             return -1;
         }
-        int64_t byte_stride;
-        if (t->strides != NULL && __builtin_mul_overflow(t->strides[i], itemsize, &byte_stride)) {
-            PyErr_Format(PyExc_BufferError, "DLPack tensor strides[%d] = %lld overflows in bytes", (int)i,
-                         (long long)t->strides[i]);
-            return -1;
-        }
+        empty |= out->shape[i] == 0;
     }
-    if (t->strides != NULL)
+    if (t->strides != NULL) {
+        /* Strides of an empty tensor step to no element (views describe it as C-contiguous), so only
+         * a tensor with elements needs them to fit in bytes. */
+        for (int32_t i = 0; i < t->ndim && !empty; i++) {
+            int64_t byte_stride;
+            if (__builtin_mul_overflow(t->strides[i], itemsize, &byte_stride)) {
+                PyErr_Format(PyExc_BufferError, "DLPack tensor strides[%d] = %lld overflows in bytes", (int)i,
+                             (long long)t->strides[i]);
+                return -1;
+            }
+        }
         memcpy(out->strides, t->strides, (size_t)t->ndim * sizeof(int64_t));
-    else
+    }
+    else {
         (void)cdl_contiguous_strides(t->ndim, out->shape, out->strides); /* wraps only past the count check */
+    }
     uintptr_t address = (uintptr_t)t->data + (uintptr_t)t->byte_offset;
     int64_t low, high;
     switch (cdl_measure_extent(out, itemsize, &low, &high)) {

@@ -167,3 +167,11 @@ def test_header_usage_example_compiles():
                              "-I", os.path.join(ROOT, "include"), "-I", tvm_ffi.libinfo.find_dlpack_include_path(),
                              path, "-o", os.path.join(directory, "usage.o")], capture_output=True, text=True)
     assert result.returncode == 0, source + result.stderr
+
+
+def test_empty_array_whose_byte_strides_overflow_reads_back():
+    """Found by replaying the fuzz corpus: an empty array accepted by cai2dlpack has contiguous element
+    strides that overflow in bytes; the view refused our own tensor until emptiness was checked first."""
+    shape = (0, 61, 66, 463856467968, 44, 81)
+    view = cai_dlpack.dlpack2cai(cai2dlpack(Holder(shape=shape, typestr="<i2")))
+    assert view.shape == shape and view.strides is None and view.__array_interface__["data"] == (0, False)
