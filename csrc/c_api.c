@@ -16,8 +16,9 @@ static int cdl_array_of(PyObject *obj, cdl_array *arr, PyObject **owner, PyObjec
         *owner = obj;
         return 0;
     }
-    *owner = PyObject_TypeCheck(obj, &cdl_shim_type) ? ((cdl_shim *)obj)->obj : obj;
-    return cdl_array_from_object(*owner, arr, keepalive);
+    const int shim = PyObject_TypeCheck(obj, &cdl_shim_type);
+    *owner = shim ? ((cdl_shim *)obj)->obj : obj;
+    return cdl_array_from_object(*owner, shim ? cdl_shim_dtype((cdl_shim *)obj) : NULL, arr, keepalive);
 }
 
 /* The borrowed path keeps nothing: drops keepalive (the memoryview of a buffer an array interface named),
@@ -41,6 +42,13 @@ static int cdl_release_borrowed_buffer(PyObject *owner, PyObject *keepalive)
                      Py_TYPE(exporter)->tp_name, Py_TYPE(owner)->tp_name);
     Py_XDECREF(exporter);
     return dying ? -1 : 0;
+}
+
+/* Whether obj's type speaks either array interface. */
+static int cdl_has_interface(PyObject *obj)
+{
+    return _PyType_Lookup(Py_TYPE(obj), cdl_name.cuda_array_interface) != NULL ||
+           _PyType_Lookup(Py_TYPE(obj), cdl_name.array_interface) != NULL;
 }
 
 /* The stream argument for obj.__dlpack__: None for host producers (the array API allows no other),
@@ -96,9 +104,16 @@ static int cdl_api_to_managed_tensor(PyObject *obj, int64_t consumer_stream, DLM
         PyObject *stream = cdl_stream_for_producer(obj, consumer_stream);
         view = stream ? cdl_view_from_object(obj, stream) : NULL;
         Py_XDECREF(stream);
-        if (view == NULL)
-            return -1;
-        obj = view;
+        if (view == NULL) {
+            /* A producer whose DLPack export cannot describe its data (NumPy's, for an ml_dtypes array) may
+             * still describe it through its array interface, which is read instead. */
+            if (!PyErr_ExceptionMatches(PyExc_BufferError) || !cdl_has_interface(obj))
+                return -1;
+            PyErr_Clear();
+        }
+        else {
+            obj = view;
+        }
     }
     cdl_array arr;
     PyObject *owner, *keepalive;

@@ -103,7 +103,8 @@ static inline int cdl_divide_exactly(int64_t value, int64_t itemsize, int64_t *q
 }
 
 /* The entries the parser reads, in the order it checks them (so errors come in a fixed order). */
-enum { CDL_VERSION, CDL_SHAPE, CDL_TYPESTR, CDL_DATA, CDL_STRIDES, CDL_STREAM, CDL_MASK, CDL_OFFSET, CDL_ENTRIES };
+enum { CDL_VERSION, CDL_SHAPE, CDL_TYPESTR, CDL_DATA, CDL_STRIDES, CDL_STREAM, CDL_MASK, CDL_OFFSET, CDL_DESCR,
+       CDL_ENTRIES };
 
 /* Collects the entries of iface into entries[] (new references; NULL when absent) in one pass over the
  * dict rather than one lookup per key. Producers' keys are interned string literals, so identity
@@ -111,7 +112,8 @@ enum { CDL_VERSION, CDL_SHAPE, CDL_TYPESTR, CDL_DATA, CDL_STRIDES, CDL_STREAM, C
 static void cdl_collect_entries(PyObject *iface, PyObject **entries)
 {
     PyObject *const names[CDL_ENTRIES] = {cdl_name.version, cdl_name.shape, cdl_name.typestr, cdl_name.data,
-                                          cdl_name.strides, cdl_name.stream, cdl_name.mask, cdl_name.offset};
+                                          cdl_name.strides, cdl_name.stream, cdl_name.mask, cdl_name.offset,
+                                          cdl_name.descr};
     for (int i = 0; i < CDL_ENTRIES; i++)
         entries[i] = NULL;
     Py_ssize_t position = 0;
@@ -270,8 +272,8 @@ overflow:
     return -1;
 }
 
-int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, cdl_array *out,
-                             PyObject **keepalive)
+int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, const DLDataType *requested,
+                             cdl_array *out, PyObject **keepalive)
 {
     *keepalive = NULL;
     if (!PyDict_Check(iface)) {
@@ -296,7 +298,8 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
     out->ndim = (int32_t)ndim;
 
     value = cdl_required(entries, CDL_TYPESTR, source);
-    if (value == NULL || cdl_parse_typestr(value, cdl_source_name(source), &out->dtype) < 0)
+    if (value == NULL ||
+        cdl_parse_interface_dtype(value, entries[CDL_DESCR], obj, requested, cdl_source_name(source), &out->dtype) < 0)
         goto done;
     int64_t itemsize = cdl_itemsize(out->dtype);
 
@@ -436,15 +439,15 @@ static int cdl_has_native_array_buffer(PyObject *obj)
     return descriptor != NULL && Py_IS_TYPE(descriptor, &PyGetSetDescr_Type);
 }
 
-int cdl_array_from_object(PyObject *obj, cdl_array *out, PyObject **keepalive)
+int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive)
 {
     if (PyDict_Check(obj))
-        return cdl_array_from_interface(obj, CDL_SOURCE_CAI, NULL, out, keepalive);
+        return cdl_array_from_interface(obj, CDL_SOURCE_CAI, NULL, requested, out, keepalive);
     PyObject *iface;
     cdl_source source = CDL_SOURCE_CAI;
     int found = cdl_lookup_attribute(obj, cdl_name.cuda_array_interface, &iface);
     if (found == 0) {
-        if (cdl_has_native_array_buffer(obj)) {
+        if (requested == NULL && cdl_has_native_array_buffer(obj)) {
             *keepalive = NULL;
             int read = cdl_array_from_buffer(obj, out, keepalive);
             if (read != 0)
@@ -461,7 +464,7 @@ int cdl_array_from_object(PyObject *obj, cdl_array *out, PyObject **keepalive)
     }
     if (found < 0)
         return -1;
-    int status = cdl_array_from_interface(iface, source, obj, out, keepalive);
+    int status = cdl_array_from_interface(iface, source, obj, requested, out, keepalive);
     Py_DECREF(iface);
     return status;
 }

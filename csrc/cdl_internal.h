@@ -138,7 +138,7 @@ static inline int cdl_extent_fits(uintptr_t address, int64_t low, int64_t high)
 typedef struct {
     PyObject *shape, *typestr, *data, *strides, *version, *mask, *stream, *offset, *descr;
     PyObject *cuda_array_interface, *array_interface, *dlpack, *dlpack_device;
-    PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream;
+    PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream, *dtype, *name;
 } cdl_names;
 extern cdl_names cdl_name;
 /* cai_dlpack.UnsupportedArrayError (a BufferError and a ValueError): valid data that DLPack, or an array
@@ -156,6 +156,17 @@ int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject 
 /* Returns 0 with *out filled, or -1 naming where (the interface) and the typestr: TypeError for a non-str,
  * UnsupportedArrayError for a type DLPack cannot describe. */
 int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out);
+/* The type of an interface: its typestr, or for a type no typestr names (bfloat16, float8, ...), the
+ * name in its one-field descr or the name of obj's NumPy dtype (obj may be NULL); requested (NULL: none)
+ * is the caller's dtype= and wins, if the typestr's item size matches. Returns 0, or -1 as
+ * cdl_parse_typestr, or ValueError for a requested type of another size. */
+int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj, const DLDataType *requested,
+                              const char *where, DLDataType *out);
+/* A dtype= argument (a name, a NumPy / ml_dtypes dtype or type, a torch.dtype) as a DLPack type; 0, or -1
+ * with ValueError naming it. */
+int cdl_dtype_from_request(PyObject *requested, DLDataType *out);
+/* The descr [(name, typestr)] interfaces carry for a type no typestr names (borrowed), or NULL. */
+PyObject *cdl_descr_of_dtype(DLDataType dtype);
 /* The type of one native-order item of a buffer-protocol format (NULL: plain bytes) of itemsize bytes:
  * 0, or -1 (no exception set) when the table has none. */
 int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *out);
@@ -271,13 +282,14 @@ static inline int cdl_device_accessible(DLDeviceType type)
 }
 
 /* cai_to_dlpack.c: interface dicts (and buffers) into the record, the record out as a capsule --- */
-/* Reads an interface dict into *out. For an array interface whose data is a buffer object,
+/* Reads an interface dict into *out (obj: its object, or NULL; requested: the caller's dtype=, or
+ * NULL). For an array interface whose data is a buffer object,
  * *keepalive receives a new reference that must outlive the data pointer. Returns 0 or -1. */
-int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, cdl_array *out,
-                             PyObject **keepalive);
+int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, const DLDataType *requested,
+                             cdl_array *out, PyObject **keepalive);
 /* Reads obj's __cuda_array_interface__ (else __array_interface__; a dict is a CAI dict) into *out,
- * device included. Same contract as above. */
-int cdl_array_from_object(PyObject *obj, cdl_array *out, PyObject **keepalive);
+ * device included, its type the caller's requested one when not NULL. Same contract as above. */
+int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive);
 /* The whole export: checks the consumer's requests, orders streams, builds the capsule. */
 PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
                      PyObject *max_version, PyObject *dl_device, PyObject *copy);
@@ -299,8 +311,11 @@ typedef struct {
     PyObject *obj;         /* the wrapped CAI or array-interface object */
     PyObject *weakreflist;
     int64_t *dims;         /* shape and strides lent by the exchange API's DLTensor call; made on first use */
+    DLDataType dtype;      /* the dtype= the shim was made with; bits 0: none */
 } cdl_shim;
 extern PyTypeObject cdl_shim_type;
+/* The shim's dtype=, or NULL. */
+static inline const DLDataType *cdl_shim_dtype(const cdl_shim *shim) { return shim->dtype.bits ? &shim->dtype : NULL; }
 int cdl_shim_type_init(void);
 
 /* c_api.c: the C doors ----------------------------------------------------------------------------- */

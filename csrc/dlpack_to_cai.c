@@ -14,6 +14,7 @@ typedef struct {
     PyObject *shape;        /* tuple */
     PyObject *strides;      /* tuple of byte strides, or None for C-contiguous (always for empty arrays) */
     PyObject *typestr;
+    PyObject *descr;        /* [(name, typestr)] of a type no typestr names, else NULL; borrowed from dtype.c */
     PyObject *data;         /* (pointer, read_only) with byte_offset folded in; 0 when empty */
     PyObject *weakreflist;
     Py_ssize_t dims[];      /* shape, then byte strides: the buffer protocol's view of the record */
@@ -32,6 +33,7 @@ static int cdl_view_describe(cdl_view *view, const cdl_array *arr, int strides_g
     int64_t itemsize = cdl_itemsize(arr->dtype);
     int empty = 0;
     view->typestr = cdl_typestr_from_dtype(arr->dtype);
+    view->descr = cdl_descr_of_dtype(arr->dtype);
     view->shape = PyTuple_New(arr->ndim);
     if (view->typestr == NULL || view->shape == NULL)
         return -1;
@@ -166,6 +168,7 @@ static PyObject *cdl_view_interface(cdl_view *self, int with_stream)
         PyDict_SetItem(iface, cdl_name.data, self->data) < 0 ||
         PyDict_SetItem(iface, cdl_name.strides, self->strides) < 0 ||
         PyDict_SetItem(iface, cdl_name.version, cdl_interface_version) < 0 ||
+        (self->descr != NULL && PyDict_SetItem(iface, cdl_name.descr, self->descr) < 0) ||
         (stream != NULL && PyDict_SetItem(iface, cdl_name.stream, stream) < 0))
         Py_CLEAR(iface);
     Py_XDECREF(stream);

@@ -6,36 +6,55 @@
 #include <string.h>
 
 typedef struct {
-    char kind;          /* typestr kind character */
+    char kind;          /* typestr kind character; 'V' rows are named types, found by name only */
     uint8_t itemsize;   /* typestr size in bytes */
     uint8_t code;       /* DLDataTypeCode */
     uint8_t bits;
+    uint16_t lanes;
     const char *typestr;
     const char *format; /* buffer protocol (struct module) format, native order and size */
+    const char *name;   /* NumPy's, ml_dtypes' and torch's name of the type */
 } cdl_dtype_entry;
 
+/* Types a typestr can name, then types it cannot (bfloat16, float8, packed float4): those are exported
+ * as raw bytes of their size ('V' typestr, pad-byte format) with a one-field descr that carries the name,
+ * and read back from that name (or from a NumPy dtype's name, or a dtype= the caller gives). */
 static const cdl_dtype_entry cdl_dtype_table[] = {
-    {'b', 1, kDLBool, 8, "|b1", "?"},
-    {'i', 1, kDLInt, 8, "|i1", "b"},
-    {'i', 2, kDLInt, 16, "<i2", "h"},
-    {'i', 4, kDLInt, 32, "<i4", "i"},
-    {'i', 8, kDLInt, 64, "<i8", "q"},
-    {'u', 1, kDLUInt, 8, "|u1", "B"},
-    {'u', 2, kDLUInt, 16, "<u2", "H"},
-    {'u', 4, kDLUInt, 32, "<u4", "I"},
-    {'u', 8, kDLUInt, 64, "<u8", "Q"},
-    {'f', 2, kDLFloat, 16, "<f2", "e"},
-    {'f', 4, kDLFloat, 32, "<f4", "f"},
-    {'f', 8, kDLFloat, 64, "<f8", "d"},
-    {'c', 8, kDLComplex, 64, "<c8", "Zf"},
-    {'c', 16, kDLComplex, 128, "<c16", "Zd"},
+    {'b', 1, kDLBool, 8, 1, "|b1", "?", "bool"},
+    {'i', 1, kDLInt, 8, 1, "|i1", "b", "int8"},
+    {'i', 2, kDLInt, 16, 1, "<i2", "h", "int16"},
+    {'i', 4, kDLInt, 32, 1, "<i4", "i", "int32"},
+    {'i', 8, kDLInt, 64, 1, "<i8", "q", "int64"},
+    {'u', 1, kDLUInt, 8, 1, "|u1", "B", "uint8"},
+    {'u', 2, kDLUInt, 16, 1, "<u2", "H", "uint16"},
+    {'u', 4, kDLUInt, 32, 1, "<u4", "I", "uint32"},
+    {'u', 8, kDLUInt, 64, 1, "<u8", "Q", "uint64"},
+    {'f', 2, kDLFloat, 16, 1, "<f2", "e", "float16"},
+    {'f', 4, kDLFloat, 32, 1, "<f4", "f", "float32"},
+    {'f', 8, kDLFloat, 64, 1, "<f8", "d", "float64"},
+    {'c', 8, kDLComplex, 64, 1, "<c8", "Zf", "complex64"},
+    {'c', 16, kDLComplex, 128, 1, "<c16", "Zd", "complex128"},
+    {'V', 2, kDLBfloat, 16, 1, "<V2", "2x", "bfloat16"},
+    {'V', 1, kDLFloat8_e3m4, 8, 1, "|V1", "x", "float8_e3m4"},
+    {'V', 1, kDLFloat8_e4m3, 8, 1, "|V1", "x", "float8_e4m3"},
+    {'V', 1, kDLFloat8_e4m3b11fnuz, 8, 1, "|V1", "x", "float8_e4m3b11fnuz"},
+    {'V', 1, kDLFloat8_e4m3fn, 8, 1, "|V1", "x", "float8_e4m3fn"},
+    {'V', 1, kDLFloat8_e4m3fnuz, 8, 1, "|V1", "x", "float8_e4m3fnuz"},
+    {'V', 1, kDLFloat8_e5m2, 8, 1, "|V1", "x", "float8_e5m2"},
+    {'V', 1, kDLFloat8_e5m2fnuz, 8, 1, "|V1", "x", "float8_e5m2fnuz"},
+    {'V', 1, kDLFloat8_e8m0fnu, 8, 1, "|V1", "x", "float8_e8m0fnu"},
+    /* Two 4-bit values packed in each byte (torch's float4_e2m1fn_x2): an item is one whole byte. A lone
+     * 4-bit or 6-bit element is not a whole byte, which an interface cannot describe: no row. */
+    {'V', 1, kDLFloat4_e2m1fn, 4, 2, "|V1", "x", "float4_e2m1fn_x2"},
 };
 #define CDL_DTYPE_COUNT (sizeof(cdl_dtype_table) / sizeof(cdl_dtype_table[0]))
 
-/* The typestrs as Python strings, made once so a view never builds one per access. */
+/* The typestrs as Python strings, made once so a view never builds one per access; for named types
+ * the descr [(name, typestr)] too (NULL for the others). */
 static PyObject *cdl_typestr_objects[CDL_DTYPE_COUNT];
-/* "b1, i1, i2, ...": the typestrs an interface may use, for error messages. */
-static char cdl_supported_text[8 * CDL_DTYPE_COUNT];
+static PyObject *cdl_descr_objects[CDL_DTYPE_COUNT];
+/* "b1, i1, ...; by name: bfloat16, ...": what an interface may use, for error messages. */
+static char cdl_supported_text[32 * CDL_DTYPE_COUNT];
 
 #if PY_BIG_ENDIAN
 #define CDL_FOREIGN_BYTE_ORDER '<'
@@ -49,9 +68,19 @@ int cdl_dtype_init(void)
         cdl_typestr_objects[i] = PyUnicode_InternFromString(cdl_dtype_table[i].typestr);
         if (cdl_typestr_objects[i] == NULL)
             return -1;
+        const cdl_dtype_entry *entry = &cdl_dtype_table[i];
         size_t used = strlen(cdl_supported_text);
-        PyOS_snprintf(cdl_supported_text + used, sizeof(cdl_supported_text) - used, "%s%c%d", i ? ", " : "",
-                      cdl_dtype_table[i].kind, (int)cdl_dtype_table[i].itemsize);
+        if (entry->kind != 'V') {
+            PyOS_snprintf(cdl_supported_text + used, sizeof(cdl_supported_text) - used, "%s%c%d", i ? ", " : "",
+                          entry->kind, (int)entry->itemsize);
+            continue;
+        }
+        PyOS_snprintf(cdl_supported_text + used, sizeof(cdl_supported_text) - used, "%s%s",
+                      cdl_dtype_table[i - 1].kind != 'V' ? "; by name (a descr, a NumPy dtype or dtype=): " : ", ",
+                      entry->name);
+        cdl_descr_objects[i] = Py_BuildValue("[(sO)]", entry->name, cdl_typestr_objects[i]);
+        if (cdl_descr_objects[i] == NULL)
+            return -1;
     }
     return 0;
 }
@@ -62,7 +91,7 @@ static int cdl_dtype_from_kind(char kind, Py_ssize_t itemsize, DLDataType *out)
 {
     for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
         const cdl_dtype_entry *entry = &cdl_dtype_table[i];
-        if (entry->kind == kind && entry->itemsize == itemsize) {
+        if (entry->kind == kind && entry->itemsize == itemsize && kind != 'V') {
             out->code = entry->code;
             out->bits = entry->bits;
             out->lanes = 1;
@@ -72,7 +101,20 @@ static int cdl_dtype_from_kind(char kind, Py_ssize_t itemsize, DLDataType *out)
     return -1;
 }
 
-int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
+/* The table row of dtype, or -1 when the table has none. */
+static int cdl_row_of_dtype(DLDataType dtype)
+{
+    for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
+        const cdl_dtype_entry *entry = &cdl_dtype_table[i];
+        if (entry->code == dtype.code && entry->bits == dtype.bits && entry->lanes == dtype.lanes)
+            return (int)i;
+    }
+    return -1;
+}
+
+/* A typestr's kind character and item size. Returns 0, or -1 with TypeError (not a str) or
+ * UnsupportedArrayError (another byte order, or no type this table could hold) naming it. */
+static int cdl_split_typestr(PyObject *typestr, const char *where, char *kind, int *itemsize)
 {
     if (!PyUnicode_Check(typestr)) {
         PyErr_Format(PyExc_TypeError, "%s 'typestr' must be a str, not %.200s", where, Py_TYPE(typestr)->tp_name);
@@ -92,18 +134,142 @@ int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
     }
     if (order != '<' && order != '>' && order != '|' && order != '=')
         goto unsupported;
-    int itemsize = 0;
+    *itemsize = 0;
     for (Py_ssize_t i = 2; i < length; i++) {
         if (text[i] < '0' || text[i] > '9')
             goto unsupported;
-        itemsize = itemsize * 10 + (text[i] - '0');
+        *itemsize = *itemsize * 10 + (text[i] - '0');
     }
-    if (cdl_dtype_from_kind(text[1], itemsize, out) == 0)
-        return 0;
+    *kind = text[1];
+    return 0;
 unsupported:
-    PyErr_Format(cdl_UnsupportedError,
-                 "%s 'typestr' %R has no DLPack equivalent (supported: %s)", where, typestr, cdl_supported_text);
+    PyErr_Format(cdl_UnsupportedError, "%s 'typestr' %R has no DLPack equivalent (supported: %s)", where, typestr,
+                 cdl_supported_text);
     return -1;
+}
+
+int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
+{
+    char kind;
+    int itemsize;
+    if (cdl_split_typestr(typestr, where, &kind, &itemsize) < 0)
+        return -1;
+    if (cdl_dtype_from_kind(kind, itemsize, out) == 0)
+        return 0;
+    PyErr_Format(cdl_UnsupportedError, "%s 'typestr' %R has no DLPack equivalent (supported: %s)", where, typestr,
+                 cdl_supported_text);
+    return -1;
+}
+
+/* The row whose name is the str name, or -1. */
+static int cdl_row_of_name(PyObject *name)
+{
+    const char *text = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+    if (text == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    if (strncmp(text, "torch.", 6) == 0)
+        text += 6; /* str(torch.bfloat16) */
+    for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
+        if (strcmp(cdl_dtype_table[i].name, text) == 0)
+            return (int)i;
+    }
+    return -1;
+}
+
+static void cdl_dtype_of_row(int row, DLDataType *out)
+{
+    out->code = cdl_dtype_table[row].code;
+    out->bits = cdl_dtype_table[row].bits;
+    out->lanes = cdl_dtype_table[row].lanes;
+}
+
+int cdl_dtype_from_request(PyObject *requested, DLDataType *out)
+{
+    /* A name; a type (ml_dtypes.bfloat16, numpy.float32); a NumPy dtype (its name); a torch.dtype (its str). */
+    PyObject *name = NULL;
+    if (PyUnicode_Check(requested))
+        name = Py_NewRef(requested);
+    else if (PyType_Check(requested))
+        name = PyObject_GetAttrString(requested, "__name__");
+    else if (cdl_lookup_attribute(requested, cdl_name.name, &name) == 0 || (name != NULL && !PyUnicode_Check(name)))
+        Py_XSETREF(name, PyObject_Str(requested));
+    if (name == NULL)
+        return -1;
+    int row = cdl_row_of_name(name);
+    Py_DECREF(name);
+    if (row < 0) {
+        PyErr_Format(PyExc_ValueError, "dtype=%R names no type an array interface or DLPack both describe (%s)",
+                     requested, cdl_supported_text);
+        return -1;
+    }
+    cdl_dtype_of_row(row, out);
+    return 0;
+}
+
+/* The name a NumPy-style interface gives its one-field descr [(name, typestr)], or NULL (no exception):
+ * NumPy's default descr [("", typestr)] names nothing. Borrowed. */
+static PyObject *cdl_name_in_descr(PyObject *descr, PyObject *typestr)
+{
+    if (descr == NULL || !PyList_Check(descr) || PyList_GET_SIZE(descr) != 1)
+        return NULL;
+    PyObject *field = PyList_GET_ITEM(descr, 0);
+    if (!PyTuple_Check(field) || PyTuple_GET_SIZE(field) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(field, 0)) ||
+        !PyUnicode_Check(PyTuple_GET_ITEM(field, 1)) ||
+        PyUnicode_Compare(PyTuple_GET_ITEM(field, 1), typestr) != 0 || PyUnicode_GET_LENGTH(PyTuple_GET_ITEM(field, 0)) == 0)
+        return NULL;
+    return PyTuple_GET_ITEM(field, 0);
+}
+
+int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj, const DLDataType *requested,
+                              const char *where, DLDataType *out)
+{
+    char kind;
+    int itemsize;
+    if (requested != NULL) {
+        if (cdl_split_typestr(typestr, where, &kind, &itemsize) < 0)
+            return -1;
+        if (cdl_itemsize(*requested) != itemsize) {
+            int row = cdl_row_of_dtype(*requested);
+            PyErr_Format(PyExc_ValueError, "dtype=%s has %d-byte items but %s 'typestr' %R has %d-byte items",
+                         cdl_dtype_table[row].name, (int)cdl_itemsize(*requested), where, typestr, itemsize);
+            return -1;
+        }
+        *out = *requested;
+        return 0;
+    }
+    if (cdl_parse_typestr(typestr, where, out) == 0)
+        return 0;
+    if (!PyErr_ExceptionMatches(cdl_UnsupportedError))
+        return -1;
+    /* A type no typestr names: the descr's name (our views', NumPy's for a named field), else the dtype
+     * name of a NumPy array (ml_dtypes arrays lose it in their descr: [("", "<V2")]). */
+    cdl_pending_error pending;
+    cdl_error_stash(&pending);
+    PyObject *name = Py_XNewRef(cdl_name_in_descr(descr, typestr)), *dtype = NULL;
+    if (name == NULL && obj != NULL && cdl_lookup_attribute(obj, cdl_name.dtype, &dtype) > 0)
+        (void)cdl_lookup_attribute(dtype, cdl_name.name, &name);
+    PyErr_Clear(); /* a failing dtype property only means "no name" here */
+    Py_XDECREF(dtype);
+    int row = name ? cdl_row_of_name(name) : -1;
+    Py_XDECREF(name);
+    if (row >= 0 && cdl_split_typestr(typestr, where, &kind, &itemsize) == 0 &&
+        itemsize == cdl_dtype_table[row].itemsize) {
+        cdl_error_unstash(&pending);
+        PyErr_Clear();
+        cdl_dtype_of_row(row, out);
+        return 0;
+    }
+    PyErr_Clear();
+    cdl_error_unstash(&pending);
+    return -1;
+}
+
+PyObject *cdl_descr_of_dtype(DLDataType dtype)
+{
+    int row = cdl_row_of_dtype(dtype);
+    return row < 0 ? NULL : cdl_descr_objects[row];
 }
 
 int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *out)
@@ -132,18 +298,6 @@ int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *o
             return cdl_dtype_from_kind('i', itemsize, out);
         if (strchr(unsigned_formats, format[0]))
             return cdl_dtype_from_kind('u', itemsize, out);
-    }
-    return -1;
-}
-
-/* The table row of dtype, or -1 when the table has none. */
-static int cdl_row_of_dtype(DLDataType dtype)
-{
-    if (dtype.lanes == 1) {
-        for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
-            if (cdl_dtype_table[i].code == dtype.code && cdl_dtype_table[i].bits == dtype.bits)
-                return (int)i;
-        }
     }
     return -1;
 }

@@ -31,6 +31,8 @@ int cdl_names_init(void)
         {&cdl_name.owner, "owner"},
         {&cdl_name.sync, "sync"},
         {&cdl_name.export_stream, "export_stream"},
+        {&cdl_name.dtype, "dtype"},
+        {&cdl_name.name, "name"},
     };
     for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++) {
         *table[i].slot = PyUnicode_InternFromString(table[i].text);

@@ -6,9 +6,9 @@ static PyObject *cdl_host_device; /* (kDLCPU, 0) */
 
 static PyObject *cdl_shim_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *obj;
-    static char *keywords[] = {"obj", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:DLPackShim", keywords, &obj))
+    PyObject *obj, *dtype = Py_None;
+    static char *keywords[] = {"obj", "dtype", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$O:DLPackShim", keywords, &obj, &dtype))
         return NULL;
     if (PyDict_Check(obj)) {
         PyErr_SetString(PyExc_TypeError,
@@ -16,9 +16,14 @@ static PyObject *cdl_shim_new(PyTypeObject *type, PyObject *args, PyObject *kwar
                         "cai2dlpack(d, owner=...) for a dict");
         return NULL;
     }
+    DLDataType requested = {0, 0, 0};
+    if (dtype != Py_None && cdl_dtype_from_request(dtype, &requested) < 0)
+        return NULL;
     cdl_shim *self = (cdl_shim *)type->tp_alloc(type, 0);
-    if (self != NULL)
+    if (self != NULL) {
         self->obj = Py_NewRef(obj);
+        self->dtype = requested;
+    }
     return (PyObject *)self;
 }
 
@@ -51,7 +56,7 @@ static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize
         return NULL;
     cdl_array arr;
     PyObject *keepalive;
-    if (cdl_array_from_object(self->obj, &arr, &keepalive) < 0)
+    if (cdl_array_from_object(self->obj, cdl_shim_dtype(self), &arr, &keepalive) < 0)
         return NULL;
     PyObject *capsule = cdl_export(&arr, self->obj, keepalive, values[0], values[1], values[2], values[3]);
     Py_XDECREF(keepalive);
@@ -72,8 +77,9 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
     }
     cdl_array arr;
     PyObject *keepalive;
-    int status = found ? cdl_array_from_interface(iface, CDL_SOURCE_CAI, self->obj, &arr, &keepalive)
-                       : cdl_array_from_object(self->obj, &arr, &keepalive);
+    int status = found ? cdl_array_from_interface(iface, CDL_SOURCE_CAI, self->obj, cdl_shim_dtype(self), &arr,
+                                                  &keepalive)
+                       : cdl_array_from_object(self->obj, cdl_shim_dtype(self), &arr, &keepalive);
     Py_XDECREF(iface);
     if (status < 0)
         return NULL;
@@ -113,7 +119,7 @@ PyTypeObject cdl_shim_type = {
     .tp_dealloc = (destructor)cdl_shim_dealloc,
     .tp_repr = (reprfunc)cdl_shim_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "DLPackShim(obj)\n\nGives any object with __cuda_array_interface__ (or __array_interface__) the "
+    .tp_doc = "DLPackShim(obj, *, dtype=None)\n\nGives any object with __cuda_array_interface__ (or __array_interface__) the "
               "DLPack protocol, so torch.from_dlpack(DLPackShim(obj)) shares its memory.",
     .tp_traverse = (traverseproc)cdl_shim_traverse,
     .tp_clear = (inquiry)cdl_shim_clear,

@@ -261,7 +261,9 @@ def test_old_producer_is_retried_without_max_version():
 
 BAD_TENSORS = [
     (dict(dtype=(kDLFloat, 32, 4)), "code=2, bits=32, lanes=4"),
-    (dict(dtype=(kDLBfloat, 16, 1)), "code=4, bits=16, lanes=1"),
+    (dict(dtype=(kDLBfloat, 16, 2)), "code=4, bits=16, lanes=2"),
+    (dict(dtype=(15, 6, 1)), "code=15, bits=6, lanes=1"),  # float6: not whole bytes
+    (dict(dtype=(17, 4, 1)), "code=17, bits=4, lanes=1"),  # a lone float4: half a byte
     (dict(dtype=(kDLOpaqueHandle, 64, 1)), "code=3, bits=64, lanes=1"),
     (dict(dtype=(kDLFloat, 8, 1)), "code=2, bits=8, lanes=1"),
     (dict(device=(kDLROCM, 0)), "device type 10"),

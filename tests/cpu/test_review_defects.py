@@ -138,12 +138,17 @@ def test_malformed_interfaces_keep_type_and_value_errors(entries, error, message
 def test_supported_types_in_messages_come_from_the_table():
     with pytest.raises(UnsupportedArrayError) as info:
         cai2dlpack({"shape": (1,), "typestr": "<f16", "data": (8, False), "version": 3}, owner=object())
-    listed = re.search(r"supported: (.*)\)", str(info.value)).group(1).split(", ")
-    # Every listed typestr converts, and every type the view can describe is listed.
-    for kind_size in listed:
+    typestrs, names = re.search(r"supported: (.*); by name \(.*?\): (.*)\)", str(info.value)).groups()
+    # Every listed typestr converts; every listed name converts when named.
+    for kind_size in typestrs.split(", "):
         typestr = ("|" if kind_size[1:] == "1" else "<") + kind_size
-        assert np.dtype(typestr).itemsize == int(kind_size[1:])
-    assert set(listed) >= {"b1", "i1", "i8", "u2", "f2", "f4", "f8", "c8", "c16"}
+        iface = {"shape": (1,), "typestr": typestr, "data": (8, False), "version": 3}
+        assert cai2dlpack(Holder(**iface)) is not None
+    for name in names.split(", "):
+        itemsize = 2 if name == "bfloat16" else 1
+        assert cai2dlpack(Holder(typestr=f"|V{itemsize}", shape=(1,)), dtype=name) is not None
+    assert {"b1", "i8", "u2", "f2", "c16"} <= set(typestrs.split(", "))
+    assert {"bfloat16", "float8_e4m3fn", "float4_e2m1fn_x2"} <= set(names.split(", "))
 
 
 def test_header_usage_example_compiles():
