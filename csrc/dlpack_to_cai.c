@@ -340,8 +340,10 @@ static PyGetSetDef cdl_view_getset[] = {
 
 static PyMethodDef cdl_view_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))cdl_view_dlpack, METH_FASTCALL | METH_KEYWORDS,
-     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None): hand the tensor on (zero-copy)."},
-    {"__dlpack_device__", (PyCFunction)cdl_view_dlpack_device, METH_NOARGS, "(DLDeviceType, device_id)"},
+     "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
+     "Hands the tensor on (zero-copy)."},
+    {"__dlpack_device__", (PyCFunction)cdl_view_dlpack_device, METH_NOARGS,
+     "__dlpack_device__($self, /)\n--\n\n(DLDeviceType, device_id)"},
     {NULL, NULL, 0, NULL},
 };
 

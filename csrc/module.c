@@ -45,20 +45,21 @@ static PyObject *cdl_dlpack2cai(PyObject *module, PyObject *const *args, Py_ssiz
 
 static PyMethodDef cdl_module_methods[] = {
     {"cai2dlpack", (PyCFunction)(void (*)(void))cdl_cai2dlpack, METH_FASTCALL | METH_KEYWORDS,
-     "cai2dlpack(obj, *, stream=None, max_version=None, owner=None, dtype=None) -> PyCapsule\n\n"
+     "cai2dlpack($module, obj, /, *, stream=None, max_version=None, owner=None, dtype=None)\n--\n\n"
      "A DLPack capsule sharing the memory of obj: an object with __cuda_array_interface__ or "
      "__array_interface__, or a CAI dict with owner= the object that keeps its memory alive. dtype= names "
      "the element type a typestr cannot (\"bfloat16\", a NumPy/ml_dtypes dtype, a torch.dtype)."},
     {"dlpack2cai", (PyCFunction)(void (*)(void))cdl_dlpack2cai, METH_FASTCALL | METH_KEYWORDS,
-     "dlpack2cai(x, *, stream=None) -> DLPackView\n\n"
+     "dlpack2cai($module, x, /, *, stream=None)\n--\n\n"
      "Consumes a DLPack capsule (or calls x.__dlpack__(stream=stream)) into a view that owns the tensor "
      "and exposes __cuda_array_interface__ / __array_interface__."},
     {"options", (PyCFunction)(void (*)(void))cdl_options, METH_FASTCALL | METH_KEYWORDS,
-     "options(*, sync=None, export_stream=None) -> dict\n\n"
+     "options($module, /, *, sync=None, export_stream=None)\n--\n\n"
      "The CAI spec's stream opt-outs. sync=False: ignore producer streams (no ordering); "
      "export_stream=False: views export 'stream': None. Returns the settings now in force."},
     {"cuda_runtime_info", cdl_cuda_runtime_info, METH_NOARGS,
-     "cuda_runtime_info() -> dict: path, version and device count of the CUDA runtime in use "
+     "cuda_runtime_info($module, /)\n--\n\n"
+     "A dict: path, version and device count of the CUDA runtime in use "
      "(loads it; RuntimeError saying what was searched if there is none)."},
     {NULL, NULL, 0, NULL},
 };

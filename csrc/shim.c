@@ -94,10 +94,10 @@ static PyObject *cdl_shim_repr(cdl_shim *self)
 
 static PyMethodDef cdl_shim_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))cdl_shim_dlpack, METH_FASTCALL | METH_KEYWORDS,
-     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n\n"
+     "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "Reads the wrapped object's interface now and returns a DLPack capsule sharing its memory."},
     {"__dlpack_device__", (PyCFunction)cdl_shim_dlpack_device, METH_NOARGS,
-     "(DLDeviceType, device_id) of the wrapped object's data, without building a capsule."},
+     "__dlpack_device__($self, /)\n--\n\n(DLDeviceType, device_id) of the wrapped object's data, without building a capsule."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -119,7 +119,7 @@ PyTypeObject cdl_shim_type = {
     .tp_dealloc = (destructor)cdl_shim_dealloc,
     .tp_repr = (reprfunc)cdl_shim_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "DLPackShim(obj, *, dtype=None)\n\nGives any object with __cuda_array_interface__ (or __array_interface__) the "
+    .tp_doc = "DLPackShim(obj, *, dtype=None)\n--\n\nGives any object with __cuda_array_interface__ (or __array_interface__) the "
               "DLPack protocol, so torch.from_dlpack(DLPackShim(obj)) shares its memory.",
     .tp_traverse = (traverseproc)cdl_shim_traverse,
     .tp_clear = (inquiry)cdl_shim_clear,
