@@ -2,7 +2,7 @@
 # same signatures as text (inspect.signature); tests/cpu/test_typing.py checks that the two agree.
 from typing import Any, ClassVar, Protocol, TypedDict, final
 
-from typing_extensions import CapsuleType, Self, TypeAlias
+from typing_extensions import CapsuleType, Self, TypeAlias, disjoint_base
 
 class _SupportsCudaStream(Protocol):
     """A stream object (CuPy, Numba, cuda.core, ...): __cuda_stream__() -> (version, handle)."""
@@ -43,6 +43,7 @@ def dlpack2cai(x: object, *, stream: _Stream = None) -> DLPackView: ...
 def options(*, sync: bool | None = None, export_stream: bool | None = None) -> _Options: ...
 def cuda_runtime_info() -> _RuntimeInfo: ...
 
+@disjoint_base  # its C layout cannot be combined with another built-in base
 class DLPackShim:
     __dlpack_c_exchange_api__: ClassVar[CapsuleType]
     __c_dlpack_exchange_api__: ClassVar[int]
@@ -86,5 +87,6 @@ class DLPackView:
         copy: bool | None = None,
     ) -> CapsuleType: ...
     def __dlpack_device__(self) -> tuple[int, int]: ...
-    # Host-accessible views export a buffer: memoryview(view) (Python 3.12 names the slot __buffer__).
+    # Host-accessible views export a buffer: memoryview(view). The slot is named __buffer__ from Python 3.12 on
+    # and declared for every version, as typeshed declares it for bytes.
     def __buffer__(self, flags: int, /) -> memoryview: ...

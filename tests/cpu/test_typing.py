@@ -1,7 +1,7 @@
 """Signatures for editors and type checkers, seen from the installed package: inspect.signature answers
-for every public callable and agrees with the shipped stub (cai_dlpack/_core.pyi, with py.typed), and
-mypy --strict accepts tests/typing/usage.py (the whole public API) and rejects each marked line of
-tests/typing/misuse.py."""
+for every public callable and agrees with the shipped stub (cai_dlpack/_core.pyi, with py.typed), mypy's
+stubtest finds the stub true to the module, and mypy --strict accepts tests/typing/usage.py (the whole
+public API) and rejects each marked line of tests/typing/misuse.py."""
 import ast
 import inspect
 import os
@@ -110,3 +110,12 @@ def test_mypy_strict_accepts_the_usage_and_rejects_the_misuse(tmp_path):
         marked = {number for number, line in enumerate(file, 1) if "  # rejected: " in line}
     assert marked and {int(number) for _, number, _ in errors} == marked, result.stdout + result.stderr
     assert result.returncode == 1
+
+
+def test_stubtest_finds_the_stub_true_to_the_module(tmp_path):
+    allowlist = os.path.abspath(os.path.join(TYPING, "stubtest_allowlist.txt"))
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "cai_dlpack._core", "--allowlist", allowlist,
+         "--ignore-unused-allowlist", "--mypy-config-file", os.devnull],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
