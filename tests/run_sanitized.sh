@@ -14,8 +14,9 @@ PYTHONPATH="${BUILD_DEPS:-}${PYTHONPATH:+:$PYTHONPATH}" cmake -S . -B "$build" -
 cmake --build "$build" -j 2 >>"$build.log" 2>&1 || { cat "$build.log"; exit 1; }
 package="$build/site/cai_dlpack"
 rm -rf "$build/site" && mkdir -p "$package"
-cp python/cai_dlpack/*.py "$package/"
-cp "$build"/_core*.so "$package/"
+# Laid out as a wheel is: the module and the C API's headers (CMake's install), the Python files and stubs.
+cmake --install "$build" --prefix "$build/site" >>"$build.log" 2>&1 || { cat "$build.log"; exit 1; }
+cp python/cai_dlpack/*.py python/cai_dlpack/*.pyi python/cai_dlpack/py.typed "$package/"
 asan=$(gcc -print-file-name=libasan.so)
 ubsan=$(gcc -print-file-name=libubsan.so)
 # Leak checking is off: CPython keeps interned objects alive to the end by design. Leaks of ours are

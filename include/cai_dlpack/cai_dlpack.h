@@ -1,6 +1,7 @@
 /* cai_dlpack C API: accept any GPU (or host) array in a C or C++ extension without a Python round trip.
  *
- *   #include <cai_dlpack/cai_dlpack.h>       // needs Python.h and dlpack/dlpack.h (>= 1.1) on the path
+ *   #include <cai_dlpack/cai_dlpack.h>       // include path: Python's and cai_dlpack.get_include(), which
+ *                                            // also holds the dlpack/dlpack.h (>= 1.1) the module was built with
  *   const cai_dlpack_api *api = cai_dlpack_import();   // once, e.g. in your module init; NULL + exception
  *   DLTensor t; int64_t shape[CAI_DLPACK_MAX_NDIM], strides[CAI_DLPACK_MAX_NDIM];
  *   if (api->fill_tensor(obj, stream, &t, shape, strides, CAI_DLPACK_MAX_NDIM, NULL) < 0) return NULL;

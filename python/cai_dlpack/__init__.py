@@ -6,7 +6,10 @@
   ``__cuda_array_interface__`` (device memory) / ``__array_interface__`` (host memory).
 - ``DLPackShim(obj)``: gives any CAI object ``__dlpack__`` / ``__dlpack_device__``.
 - ``options(sync=None, export_stream=None)``: the CAI spec's stream opt-outs.
+- ``get_include()``: the folder to put on a C/C++ extension's include path for the C API.
 """
+import os
+
 from ._core import (
     CUDART_HEADER_MAJOR,
     DLPACK_VERSION,
@@ -21,7 +24,16 @@ from ._core import (
     options,
 )
 
+# The one place the version is written: the build reads it from here (pyproject.toml, tool.scikit-build).
 __version__ = "0.1.0"
+
+
+def get_include() -> str:
+    """The folder holding ``cai_dlpack/cai_dlpack.h`` and the ``dlpack/dlpack.h`` it was built with: add it
+    to a C or C++ extension's include path (with Python's own) to use the C API, as with
+    ``numpy.get_include()``."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
+
 
 __all__ = [
     "CUDART_HEADER_MAJOR",
@@ -33,5 +45,6 @@ __all__ = [
     "cai2dlpack",
     "cuda_runtime_info",
     "dlpack2cai",
+    "get_include",
     "options",
 ]

@@ -1,6 +1,8 @@
 """``python -m cai_dlpack``: a self-check. Reports versions and whether a CUDA runtime and GPUs were found,
-then runs a zero-copy round trip with every framework installed, printing pointer equality and the
-per-call time of each conversion."""
+shows a zero-copy round trip with nothing but Python's standard library, then one with every framework
+installed, printing pointer equality and the per-call time of each conversion."""
+import array
+import ctypes
 import importlib
 import platform
 import sys
@@ -40,6 +42,45 @@ def describe_environment():
 
 def row(rows, what, same_memory, ns):
     rows.append((what, "yes" if same_memory else "NO", f"{ns:,.0f}"))
+
+
+class HostArray:
+    """Host memory and the array-interface dict that describes it, as a library without NumPy would hand
+    it over. The object owns the memory, so a capsule made from it keeps it alive."""
+
+    def __init__(self, values):
+        self.memory = array.array("d", values)
+        address, length = self.memory.buffer_info()
+        typestr = ("<" if sys.byteorder == "little" else ">") + "f8"
+        self.__array_interface__ = {"shape": (length,), "typestr": typestr, "data": (address, False), "version": 3}
+
+
+def standard_library_round_trip(rows):
+    """array.array -> cai2dlpack -> DLPack capsule -> dlpack2cai -> DLPackView -> memoryview, with the address
+    and the values at each end, and a write through the memoryview read back from the array."""
+    host = HostArray([0.5, 1.5, 2.5, 3.5])
+    address = host.memory.buffer_info()[0]
+    capsule = cai2dlpack(host)
+    capsule_text = repr(capsule)  # before dlpack2cai consumes it and renames it used_dltensor
+    view = dlpack2cai(capsule)
+    through = memoryview(view)
+    through_address = ctypes.addressof(ctypes.c_char.from_buffer(through))
+    view_address = view.__array_interface__["data"][0]
+    print("\nZero-copy round trip with the standard library alone:")
+    step = "  {:30s} {}".format
+    print(step("array.array('d')", f"at 0x{address:x}: {host.memory.tolist()}"))
+    print(step("-> cai2dlpack(its interface)", f"a DLPack capsule: {capsule_text}"))
+    print(step("-> dlpack2cai(capsule)", f"at 0x{view_address:x}: DLPackView shape {view.shape}, "
+                                         f"typestr {view.typestr!r}, device {view.device} (kDLCPU)"))
+    print(step("-> memoryview(view)", f"at 0x{through_address:x}: {through.tolist()}"))
+    through[0] = 42.0
+    print(f"  memoryview[0] = 42.0, and the array.array reads {host.memory[0]}")
+    same = (through_address == address == view_address and host.memory[0] == 42.0
+            and through.tolist() == host.memory.tolist())
+    print(f"  {'same address, same values: zero-copy' if same else 'FAILED: the memory is not shared'}")
+    through.release()
+    row(rows, "array.array -> cai2dlpack -> dlpack2cai -> memoryview", same,
+        per_call_ns(lambda: memoryview(dlpack2cai(cai2dlpack(host))).release()))
 
 
 def host_round_trips(rows):
@@ -109,13 +150,11 @@ def gpu_round_trips(rows):
 def main():
     devices = describe_environment()
     rows = []
+    standard_library_round_trip(rows)
     host_round_trips(rows)
     if devices:
         gpu_round_trips(rows)
-    if not rows:
-        print("\nNo framework to round-trip with: install numpy (and torch, cupy, numba-cuda, jax) first.")
-        return 0
-    width = max(len(r[0]) for r in rows) if rows else 20
+    width = max(len(r[0]) for r in rows)
     print()
     print(f"| {'zero-copy round trip':{width}s} | same memory | ns per call |")
     print(f"|{'-' * (width + 2)}|-------------|-------------|")
@@ -131,7 +170,9 @@ def main():
         groups = cpu_groups(np, optional("torch"))
         print("\nShort benchmark against the peers, same run (full run: python benchmarks/run_all.py):\n")
         print(markdown(run_groups(groups, repeat=7), {title: reference for title, reference, _ in groups}))
-    print(f"\nOK: {len(rows)} conversions shared memory")
+    else:
+        print("\nInstall numpy (and torch, cupy, numba-cuda, jax) to see round trips with them as well.")
+    print(f"\nOK: {len(rows)} conversion{'s' if len(rows) != 1 else ''} shared memory")
     return 0
 
 

@@ -22,6 +22,10 @@ fi
 if [ -f /tmp/cai-dlpack-site/tvm_ffi/include/dlpack/dlpack.h ]; then
   headers+=(-Ccmake.define.DLPACK_INCLUDE_DIR=/tmp/cai-dlpack-site/tvm_ffi/include)
 fi
+# Without build isolation the machine's scikit-build-core builds: 1.0 or newer reads the version from
+# python/cai_dlpack/__init__.py ([[tool.dynamic-metadata]]); carry its wheel in .whl/ where it is older.
+python3 -c "import scikit_build_core as s, sys; sys.exit(int(s.__version__.split('.')[0]) < 1)" ||
+  { echo "scikit-build-core >= 1.0 is needed: put its wheel in .whl/" >&2; exit 1; }
 python3 -m pip install -q --no-build-isolation --no-deps ${headers[@]+"${headers[@]}"} \
   .
 status=0
