@@ -214,9 +214,20 @@ extern int cdl_option_export_stream;   /* 0: producers export "stream": None */
  * consumer is 1, a CAI 'stream' entry (None -> 0, 1, 2 or a handle) when 0. Returns 0 or -1. */
 int cdl_parse_stream(PyObject *value, const char *what, int consumer, int64_t *out);
 /* Orders the consumer stream after arr's producer stream on its device, host not blocked (nothing to do
- * for an array without elements).
+ * for an array without elements). Inside CUDA graph captures it does what the README's table says: a
+ * wait inside one capture, an external wait for work made outside the consumer's capture, or CudaError
+ * naming the capture where no ordering keeps it whole (nothing is then called that would break it).
  * Returns 0, or -1 with an exception set; the caller's current device is unchanged either way. */
 int cdl_order_streams(const cdl_array *arr, int64_t consumer);
+/* Before asking a DLPack producer whose data is on device for data ready on consumer: 0, or -1 with
+ * CudaError when consumer is the legacy default stream and a blocking stream of that device captures a
+ * graph (the producer's ordering would invalidate the capture). Calls nothing for other streams, for
+ * host memory, or with sync off. */
+int cdl_check_stream_request(DLDevice device, int64_t consumer);
+/* The exchange API's current work stream of a device: NULL (the legacy default stream) for CUDA memory,
+ * or -1 with CudaError while a blocking stream of that device captures a graph (launching on the legacy
+ * stream would invalidate the capture); NULL without a call for other devices. */
+int cdl_current_work_stream(DLDeviceType device_type, int32_t device_id, void **out);
 void cdl_stream_options_init(void);
 PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 

@@ -4,6 +4,7 @@
 #include "cuda_runtime_table.h"
 
 #include <dlfcn.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -128,6 +129,21 @@ static int cdl_try_open(const char *path, int loaded_only, char *tried, size_t t
         dlclose(handle);
         return 0;
     }
+    /* The capture query of this runtime's signature (see the table); a runtime of 12.0 or newer has it. */
+    const int capture_query_13 = runtime_version >= 13000;
+    const char *capture_query = capture_query_13 ? "cudaStreamGetCaptureInfo" : "cudaStreamGetCaptureInfo_v2";
+    void *capture_function = dlsym(handle, capture_query);
+    if (capture_function == NULL) {
+        snprintf(tried + used, tried_size - used, "%s%s (lacks %s)", used ? ", " : "", path, capture_query);
+        dlclose(handle);
+        return 0;
+    }
+    *(void **)(capture_query_13 ? (void *)&table.stream_get_capture_info_13 : (void *)&table.stream_get_capture_info_12) =
+        capture_function;
+    if (capture_query_13)
+        table.stream_get_capture_info_12 = NULL;
+    else
+        table.stream_get_capture_info_13 = NULL;
     cdl_resolve_driver(handle, &table);
     cdl_runtime = table;
     snprintf(cdl_runtime_path, sizeof(cdl_runtime_path), "%s", path);
@@ -241,6 +257,16 @@ int cdl_cuda_errors_init(void)
     return cdl_CudaError ? 0 : -1;
 }
 
+cudaError_t cdl_stream_capture_info(const cdl_cudart *rt, cudaStream_t stream, enum cudaStreamCaptureStatus *status,
+                                    unsigned long long *id)
+{
+    *id = 0;
+    /* Only status and id are asked for: every other output stays NULL, as both signatures allow. */
+    if (rt->stream_get_capture_info_13 != NULL)
+        return rt->stream_get_capture_info_13(stream, status, id, NULL, NULL, NULL, NULL);
+    return rt->stream_get_capture_info_12(stream, status, id, NULL, NULL, NULL);
+}
+
 /* error.NAME = text, for the attributes a CudaError carries. Returns 0 or -1. */
 static int cdl_set_text_attribute(PyObject *error, const char *name, const char *text)
 {
@@ -263,10 +289,9 @@ const char *cdl_error_name(const cdl_cudart *rt, int code, int in_driver)
     return name ? name : "unknown error";
 }
 
-/* CudaError(message) with attributes code, call and name. Returns -1. */
-static int cdl_raise(const char *call, int code, const char *name, const char *text)
+/* CudaError(message) with attributes code, call and name; message is stolen. Returns -1. */
+static int cdl_raise_message(const char *call, int code, const char *name, PyObject *message)
 {
-    PyObject *message = PyUnicode_FromFormat("%s failed: %s (%s)", call, name, text);
     if (message == NULL)
         return -1;
     PyObject *error = PyObject_CallOneArg(cdl_CudaError, message);
@@ -280,6 +305,26 @@ static int cdl_raise(const char *call, int code, const char *name, const char *t
     Py_XDECREF(code_value);
     Py_DECREF(error);
     return -1;
+}
+
+static int cdl_raise(const char *call, int code, const char *name, const char *text)
+{
+    return cdl_raise_message(call, code, name, PyUnicode_FromFormat("%s failed: %s (%s)", call, name, text));
+}
+
+int cdl_raise_capture_error(const char *call, int code, const char *format, ...)
+{
+    va_list arguments;
+    va_start(arguments, format);
+    PyObject *why = PyUnicode_FromFormatV(format, arguments);
+    va_end(arguments);
+    if (why == NULL)
+        return -1;
+    const char *name = cdl_error_name(&cdl_runtime, code, 0);
+    PyObject *message = PyUnicode_FromFormat("%s not called: it would fail with %s and break a CUDA graph capture: %U",
+                                             call, name, why);
+    Py_DECREF(why);
+    return cdl_raise_message(call, code, name, message);
 }
 
 int cdl_raise_cuda_error(const char *call, int code)

@@ -19,6 +19,13 @@ typedef struct cdl_cudart {
     cudaError_t (*event_destroy)(cudaEvent_t);
     cudaError_t (*event_record)(cudaEvent_t, cudaStream_t);
     cudaError_t (*stream_wait_event)(cudaStream_t, cudaEvent_t, unsigned int);
+    /* cudaStreamGetCaptureInfo changed shape: CUDA 12 exports six arguments as cudaStreamGetCaptureInfo_v2
+     * (its plain name is CUDA 11.0's three), CUDA 13 seven under the plain name (edge data added). The
+     * loader sets the one of the runtime's major version; cdl_stream_capture_info calls it. */
+    cudaError_t (*stream_get_capture_info_12)(cudaStream_t, enum cudaStreamCaptureStatus *, unsigned long long *,
+                                              cudaGraph_t *, const cudaGraphNode_t **, size_t *);
+    cudaError_t (*stream_get_capture_info_13)(cudaStream_t, enum cudaStreamCaptureStatus *, unsigned long long *,
+                                              cudaGraph_t *, const cudaGraphNode_t **, const void **, size_t *);
     /* For tensors the DLPack exchange API asks us to allocate. */
     cudaError_t (*malloc)(void **, size_t);
     cudaError_t (*free)(void *);
@@ -40,6 +47,12 @@ typedef struct cdl_cudart {
     int (*cu_get_error_name)(int, const char **);
     int (*cu_get_error_string)(int, const char **);
 } cdl_cudart;
+
+/* The capture status of stream and, while it captures, the capture's id (unique for the process). The
+ * runtime's answer: cudaErrorStreamCaptureImplicit for the legacy stream while a blocking stream of its
+ * device captures (nothing is invalidated by asking). */
+cudaError_t cdl_stream_capture_info(const cdl_cudart *rt, cudaStream_t stream, enum cudaStreamCaptureStatus *status,
+                                    unsigned long long *id);
 
 /* Makes a context current for a few runtime calls, then puts the caller's back as it was. With the
  * driver's calls: a device's primary context (or a stream's own context) is retained and pushed, then
@@ -65,6 +78,9 @@ int cdl_context_enter(const cdl_cudart *rt, void *context, cdl_device_scope *sco
 int cdl_device_leave(const cdl_cudart *rt, cdl_device_scope *scope);
 /* Raises CudaError for the scope's failed call. Returns -1. */
 int cdl_raise_scope_error(const cdl_device_scope *scope);
+/* Raises CudaError for a call not made because CUDA would refuse it during a graph capture, with the code
+ * it would give and why (a printf-style format for PyUnicode_FromFormat). Returns -1. */
+int cdl_raise_capture_error(const char *call, int code, const char *format, ...);
 /* Raises CudaError for a failed driver call (a CUresult). Returns -1. */
 int cdl_raise_driver_error(const char *call, int code);
 /* The name of an error code of the call's API ("cudaError..." or "CUDA_ERROR_..."). */

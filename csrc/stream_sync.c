@@ -1,8 +1,10 @@
 /* Stream ordering between a producer and a consumer: an event recorded on the producer's stream
- * and waited on by the consumer's, so the device orders the work and the host never blocks. */
+ * and waited on by the consumer's, so the device orders the work and the host never blocks; inside
+ * CUDA graph captures, the ordering a capture allows, or an error where there is none. */
 #include "cdl_internal.h"
 #include "cuda_runtime_table.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,9 +17,13 @@ int cdl_option_export_stream = 1;
  * held through record and wait, keeps two conversions from sharing one between those calls. A
  * device reset destroys a context and its events: the next conversion sees another id and makes a
  * new event. At most CDL_POOL_LIMIT are kept; past that the oldest entry is given up (not destroyed:
- * its context may be gone). */
+ * its context may be gone).
+ * A capture's external wait is different: the graph keeps the event and waits, at each launch, on its
+ * latest record. Such events are kept apart, one per context and producer stream, and recorded only
+ * on that stream outside any capture, so a graph waits at most on later work of the same stream. */
 typedef struct {
     unsigned long long key;
+    int64_t external_for; /* the producer stream of an external wait's event; 0 for the shared one */
     cudaEvent_t event;
 } cdl_pool_entry;
 #define CDL_POOL_LIMIT 64
@@ -75,20 +81,20 @@ static int cdl_pool_key(const cdl_cudart *rt, const cdl_device_scope *scope, int
     return code == 0 ? 0 : cdl_raise_driver_error("cuCtxGetId", code);
 }
 
-/* The pool's entry for key, or NULL. */
-static cdl_pool_entry *cdl_pool_find(unsigned long long key)
+/* The pool's entry for key (and the producer stream of an external wait, or 0), or NULL. */
+static cdl_pool_entry *cdl_pool_find(unsigned long long key, int64_t external_for)
 {
     for (int i = 0; i < cdl_event_pool_used; i++) {
-        if (cdl_event_pool[i].key == key)
+        if (cdl_event_pool[i].key == key && cdl_event_pool[i].external_for == external_for)
             return &cdl_event_pool[i];
     }
     return NULL;
 }
 
-/* The pool's event for key, made when there is none. */
-static int cdl_pooled_event(const cdl_cudart *rt, unsigned long long key, cudaEvent_t *event)
+/* The pool's event for key and external_for, made when there is none. */
+static int cdl_pooled_event(const cdl_cudart *rt, unsigned long long key, int64_t external_for, cudaEvent_t *event)
 {
-    cdl_pool_entry *entry = cdl_pool_find(key);
+    cdl_pool_entry *entry = cdl_pool_find(key, external_for);
     if (entry != NULL) {
         *event = entry->event;
         return 0;
@@ -99,6 +105,7 @@ static int cdl_pooled_event(const cdl_cudart *rt, unsigned long long key, cudaEv
     entry = &cdl_event_pool[cdl_event_pool_used < CDL_POOL_LIMIT ? cdl_event_pool_used++ : cdl_event_pool_next];
     cdl_event_pool_next = (cdl_event_pool_next + 1) % CDL_POOL_LIMIT;
     entry->key = key;
+    entry->external_for = external_for;
     entry->event = *event;
     return 0;
 }
@@ -106,7 +113,8 @@ static int cdl_pooled_event(const cdl_cudart *rt, unsigned long long key, cudaEv
 /* Records event on the producer stream. A pooled event whose context was reset under the same id is a
  * dead handle: the record is tried once more with a new event, which replaces it in the pool only if
  * that record works (else the failure is the stream's, and the new event is destroyed: no leak). */
-static int cdl_record(const cdl_cudart *rt, unsigned long long key, int64_t producer, cudaEvent_t *event)
+static int cdl_record(const cdl_cudart *rt, unsigned long long key, int64_t external_for, int64_t producer,
+                      cudaEvent_t *event)
 {
     cudaError_t status = rt->event_record(*event, (cudaStream_t)(uintptr_t)producer);
     if (status == cudaErrorInvalidResourceHandle || status == cudaErrorContextIsDestroyed) {
@@ -117,7 +125,7 @@ static int cdl_record(const cdl_cudart *rt, unsigned long long key, int64_t prod
             return cdl_raise_cuda_error("cudaEventCreateWithFlags", made);
         cudaError_t again = rt->event_record(fresh, (cudaStream_t)(uintptr_t)producer);
         if (again == cudaSuccess) {
-            cdl_pool_find(key)->event = *event = fresh;
+            cdl_pool_find(key, external_for)->event = *event = fresh;
             return 0;
         }
         (void)rt->get_last_error();
@@ -126,11 +134,107 @@ static int cdl_record(const cdl_cudart *rt, unsigned long long key, int64_t prod
     return status == cudaSuccess ? 0 : cdl_raise_cuda_error("cudaEventRecord", status);
 }
 
-/* Waits consumer on event; 0 or -1 with CudaError. */
-static int cdl_wait(const cdl_cudart *rt, int64_t consumer, cudaEvent_t event)
+/* Waits consumer on event (flags: cudaEventWaitExternal into a capture, else 0); 0 or -1 with CudaError. */
+static int cdl_wait(const cdl_cudart *rt, int64_t consumer, cudaEvent_t event, unsigned flags)
 {
-    cudaError_t status = rt->stream_wait_event((cudaStream_t)(uintptr_t)consumer, event, 0);
+    cudaError_t status = rt->stream_wait_event((cudaStream_t)(uintptr_t)consumer, event, flags);
     return status == cudaSuccess ? 0 : cdl_raise_cuda_error("cudaStreamWaitEvent", status);
+}
+
+/* ---- graph capture -------------------------------------------------------------------------------
+ * What a stream is to a capture, asked of the runtime just before ordering (and never when nothing
+ * is to be ordered). The legacy stream never captures, but while a blocking stream of its device
+ * captures, any use of it would invalidate that capture: the runtime answers the query itself with
+ * cudaErrorStreamCaptureImplicit, invalidating nothing. */
+typedef enum {
+    CDL_CAPTURE_NONE,
+    CDL_CAPTURE_ACTIVE,
+    CDL_CAPTURE_INVALIDATED,
+    CDL_CAPTURE_LEGACY_UNUSABLE,
+} cdl_capture_state;
+
+typedef struct {
+    cdl_capture_state state;
+    unsigned long long id; /* the capture's id, while active or invalidated */
+} cdl_capture;
+
+static int cdl_capture_of(const cdl_cudart *rt, int64_t stream, cdl_capture *out)
+{
+    enum cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    cudaError_t code = cdl_stream_capture_info(rt, (cudaStream_t)(uintptr_t)stream, &status, &out->id);
+    if (code == cudaErrorStreamCaptureImplicit) {
+        (void)rt->get_last_error(); /* our query's, not a failure of anyone's work */
+        out->state = CDL_CAPTURE_LEGACY_UNUSABLE;
+        return 0;
+    }
+    if (code != cudaSuccess)
+        return cdl_raise_cuda_error("cudaStreamGetCaptureInfo", code);
+    out->state = status == cudaStreamCaptureStatusActive        ? CDL_CAPTURE_ACTIVE
+                 : status == cudaStreamCaptureStatusInvalidated ? CDL_CAPTURE_INVALIDATED
+                                                                : CDL_CAPTURE_NONE;
+    return 0;
+}
+
+/* "stream 20480", or the name of a special handle, for messages. */
+static const char *cdl_stream_words(int64_t stream, char *text, size_t size)
+{
+    if (stream == CDL_STREAM_LEGACY)
+        return "the legacy default stream";
+    if (stream == CDL_STREAM_PER_THREAD)
+        return "the per-thread default stream";
+    snprintf(text, size, "stream %lld", (long long)stream);
+    return text;
+}
+
+/* How producer is ordered before consumer given their captures (the README's table): 0 with *external
+ * set when the wait must be an external one (outside work joining a capture), or -1 with CudaError
+ * naming the capture, where no ordering exists that keeps the capture whole and the replay correct. */
+static int cdl_capture_plan(int64_t producer, const cdl_capture *made, int64_t consumer, const cdl_capture *used,
+                            int *external)
+{
+    *external = 0;
+    if (made->state == CDL_CAPTURE_NONE && used->state == CDL_CAPTURE_NONE)
+        return 0;
+    char producer_text[48], consumer_text[48];
+    const char *p = cdl_stream_words(producer, producer_text, sizeof(producer_text));
+    const char *c = cdl_stream_words(consumer, consumer_text, sizeof(consumer_text));
+    if (made->state == CDL_CAPTURE_LEGACY_UNUSABLE || used->state == CDL_CAPTURE_LEGACY_UNUSABLE)
+        return cdl_raise_capture_error(
+            made->state == CDL_CAPTURE_LEGACY_UNUSABLE ? "cudaEventRecord" : "cudaStreamWaitEvent",
+            cudaErrorStreamCaptureImplicit,
+            "the %s stream is the legacy default stream, and a blocking stream of its device is capturing a CUDA "
+            "graph: any use of the legacy stream would invalidate that capture. Order on a stream of the capture "
+            "(or capture on a non-blocking stream), or make the data ready before the capture and pass stream=-1",
+            made->state == CDL_CAPTURE_LEGACY_UNUSABLE ? "producer" : "consumer");
+    if (made->state == CDL_CAPTURE_INVALIDATED || used->state == CDL_CAPTURE_INVALIDATED) {
+        int producer_broken = made->state == CDL_CAPTURE_INVALIDATED;
+        return cdl_raise_capture_error(producer_broken ? "cudaEventRecord" : "cudaStreamWaitEvent",
+                                       cudaErrorStreamCaptureInvalidated,
+                                       "the capture on %s (capture id %llu) was already invalidated by an earlier "
+                                       "error; end it with cudaStreamEndCapture before converting",
+                                       producer_broken ? p : c, producer_broken ? made->id : used->id);
+    }
+    if (made->state == CDL_CAPTURE_ACTIVE && used->state == CDL_CAPTURE_ACTIVE) {
+        if (made->id == used->id)
+            return 0; /* record and wait are both nodes of the one graph */
+        return cdl_raise_capture_error(
+            "cudaStreamWaitEvent", cudaErrorStreamCaptureMerge,
+            "producer %s is capturing CUDA graph capture %llu and consumer %s capture %llu; work of one capture "
+            "cannot be ordered before another's (their graphs launch independently). Convert within one capture",
+            p, made->id, c, used->id);
+    }
+    if (made->state == CDL_CAPTURE_ACTIVE)
+        return cdl_raise_capture_error(
+            "cudaStreamWaitEvent", cudaErrorCapturedEvent,
+            "producer %s is capturing a CUDA graph (capture id %llu), so its work runs only when that graph is "
+            "launched, and consumer %s, outside the capture, cannot be ordered after it. Consume on a stream of "
+            "the same capture, or convert after launching the graph",
+            p, made->id, c);
+    /* Work made outside the capture joins it through an external wait: a node of the graph that waits,
+     * at each launch, on the event's latest record, so no replay runs ahead of the producer's writes
+     * made before the conversion. */
+    *external = 1;
+    return 0;
 }
 
 int cdl_order_streams(const cdl_array *arr, int64_t consumer)
@@ -150,6 +254,13 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
     const cdl_cudart *rt = cdl_cudart_get();
     if (rt == NULL)
         return -1;
+    /* A legacy or per-thread consumer handle names the stream of the caller's device: for pinned and
+     * managed memory that is the caller's own context, so that wait comes after the scope is left, and
+     * its capture is asked about there too. */
+    const int wait_outside = device.device_type != kDLCUDA && consumer <= CDL_STREAM_PER_THREAD;
+    cdl_capture made, used;
+    if (wait_outside && cdl_capture_of(rt, consumer, &used) < 0)
+        return -1;
     /* The event is recorded in the producer stream's context (event and stream must share one): a
      * stream handle's own, and for the legacy and per-thread handles the primary context of the data's
      * device (the array API's streams belong to the array's device), or for pinned and managed memory,
@@ -168,22 +279,67 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
     }
     if (entered != 0)
         return cdl_raise_scope_error(&scope);
-    /* A legacy or per-thread consumer handle names the stream of the caller's device: for pinned and
-     * managed memory that is the caller's own context, so that wait comes after the scope is left. */
-    const int wait_outside = device.device_type != kDLCUDA && consumer <= CDL_STREAM_PER_THREAD;
-    int result = -1;
+    int result = -1, external = 0;
+    int64_t external_for = 0;
     unsigned long long key;
     cudaEvent_t event = NULL;
-    if (cdl_pool_key(rt, &scope, arr->home_device, &key) < 0 || cdl_pooled_event(rt, key, &event) < 0 ||
-        cdl_record(rt, key, producer, &event) < 0)
+    if (cdl_capture_of(rt, producer, &made) < 0 || (!wait_outside && cdl_capture_of(rt, consumer, &used) < 0) ||
+        cdl_capture_plan(producer, &made, consumer, &used, &external) < 0)
         goto done;
-    result = wait_outside ? 0 : cdl_wait(rt, consumer, event);
+    external_for = external ? producer : 0;
+    if (cdl_pool_key(rt, &scope, arr->home_device, &key) < 0 || cdl_pooled_event(rt, key, external_for, &event) < 0 ||
+        cdl_record(rt, key, external_for, producer, &event) < 0)
+        goto done;
+    result = wait_outside ? 0 : cdl_wait(rt, consumer, event, external ? cudaEventWaitExternal : 0);
 done:
     if (cdl_device_leave(rt, &scope) != 0 && result == 0)
         result = cdl_raise_scope_error(&scope);
     if (result == 0 && wait_outside)
-        result = cdl_wait(rt, consumer, event);
+        result = cdl_wait(rt, consumer, event, external ? cudaEventWaitExternal : 0);
     return result;
+}
+
+/* Refuses the legacy default stream of a device (device_type, device_id as DLPack gives them; the
+ * caller's device for pinned and managed memory) while a blocking stream there captures a graph. */
+static int cdl_check_legacy_stream(DLDeviceType device_type, int32_t device_id, const char *what)
+{
+    const cdl_cudart *rt = cdl_cudart_get();
+    if (rt == NULL)
+        return -1;
+    cdl_device_scope scope;
+    if (device_type == kDLCUDA && cdl_device_enter(rt, device_id, &scope) != 0)
+        return cdl_raise_scope_error(&scope);
+    cdl_capture legacy;
+    int result = cdl_capture_of(rt, CDL_STREAM_LEGACY, &legacy);
+    if (result == 0 && legacy.state == CDL_CAPTURE_LEGACY_UNUSABLE)
+        result = cdl_raise_capture_error("cudaStreamWaitEvent", cudaErrorStreamCaptureImplicit,
+                                         "%s the legacy default stream, and a blocking stream of its device is "
+                                         "capturing a CUDA graph: any use of the legacy stream would invalidate that "
+                                         "capture. Pass a stream of the capture instead", what);
+    if (device_type == kDLCUDA && cdl_device_leave(rt, &scope) != 0 && result == 0)
+        result = cdl_raise_scope_error(&scope);
+    return result;
+}
+
+static int cdl_is_cuda_memory(DLDeviceType device_type)
+{
+    return device_type == kDLCUDA || device_type == kDLCUDAHost || device_type == kDLCUDAManaged;
+}
+
+int cdl_check_stream_request(DLDevice device, int64_t consumer)
+{
+    if (!cdl_option_sync || consumer != CDL_STREAM_LEGACY || !cdl_is_cuda_memory(device.device_type))
+        return 0;
+    return cdl_check_legacy_stream(device.device_type, device.device_id,
+                                   "the producer would be asked to make its data ready on");
+}
+
+int cdl_current_work_stream(DLDeviceType device_type, int32_t device_id, void **out)
+{
+    *out = NULL; /* the legacy default stream */
+    if (!cdl_is_cuda_memory(device_type))
+        return 0;
+    return cdl_check_legacy_stream(device_type, device_id, "the exchange API's work stream is");
 }
 
 PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)

@@ -27,11 +27,11 @@ def runtime_loaded(cudart):
 
 
 def stream_calls(log):
-    """What the conversion did to the device, contexts and streams (not pointer queries, event ids or the
-    runtime's load)."""
+    """What the conversion did to the device, contexts and streams (not pointer queries, capture queries, event
+    ids or the runtime's load)."""
     return [re.sub(r"ev\d+", "ev", line) for line in log
             if not line.startswith(("cudaPointerGetAttributes", "cudaGetDriverEntryPoint", "cudaEventCreateWithFlags",
-                                    "cuCtxGetId"))]
+                                    "cuCtxGetId", "cudaStreamGetCaptureInfo"))]
 
 
 def test_a_thread_without_context_is_left_without_one(cudart):
@@ -251,18 +251,21 @@ def test_without_driver_entry_points_the_device_is_put_back_by_number():
     lines = run_older_runtime(os.environ["CAI_DLPACK_CUDART"], CUDART_DOUBLE_ENTRY_POINTS="0")
     lines = [line for line in lines if not line.startswith("cudaGetDriverEntryPoint")]
     assert lines == ["cudaGetLastError() -> 801", "cudaGetDevice() -> 2", "cudaSetDevice(1)",
+                     "cudaStreamGetCaptureInfo(20480) -> none", "cudaStreamGetCaptureInfo(24576) -> none",
                      "cudaEventRecord(ev, 20480)", "cudaStreamWaitEvent(24576, ev, 0)", "cudaSetDevice(2)", "current 2 2"]
 
 
 def test_runtime_12_0_uses_the_unversioned_entry_point(tmp_path):
     """CUDA 12.0-12.4 has cudaGetDriverEntryPoint only: the driver's calls come through it all the same, and
-    managed memory's event goes in its stream's context."""
+    managed memory's event goes in its stream's context. Its capture query is CUDA 12's six-argument
+    cudaStreamGetCaptureInfo_v2 (the plain name is CUDA 11.0's three-argument one)."""
     path = cuda_double.build(str(tmp_path), cuda_12_0=True)
     lines = run_older_runtime(path, kind="MANAGED", stream_device=3)
     assert "cudaGetDriverEntryPoint(cuCtxPushCurrent)" in lines
     lines = [line for line in lines if not line.startswith(("cudaGetDriverEntryPoint", "cudaGetLastError"))]
     assert lines == ["cuStreamGetCtx(20480) -> 3", "cudaGetDevice() -> 2", "cuCtxGetCurrent() -> ctx2",
-                     "cuCtxPushCurrent(ctx3)", "cuCtxGetId(ctx3) -> 0", "cudaEventRecord(ev, 20480)",
+                     "cuCtxPushCurrent(ctx3)", "cudaStreamGetCaptureInfo_v2(20480) -> none",
+                     "cudaStreamGetCaptureInfo_v2(24576) -> none", "cuCtxGetId(ctx3) -> 0", "cudaEventRecord(ev, 20480)",
                      "cudaStreamWaitEvent(24576, ev, 0)", "cuCtxPopCurrent() -> ctx2 current", "current 2 2"]
 
 

@@ -1,6 +1,7 @@
 /* A test double of the CUDA runtime (libcudart), loaded by cai_dlpack through CAI_DLPACK_CUDART:
- * it answers pointer-attribute queries from a table the tests fill, fakes devices and events,
- * records every call in a log, and fails chosen calls on request. Driven from Python by ctypes. */
+ * it answers pointer-attribute queries from a table the tests fill, fakes devices, events and stream
+ * capture (CUDA graphs), records every call in a log, and fails chosen calls on request. Driven from
+ * Python by ctypes. */
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -57,6 +58,31 @@ static int failure_count;
 static int event_device[MAX_EVENTS]; /* device + 1 while alive, 0 when free */
 static int events_created, events_destroyed;
 
+/* Stream capture, as CUDA models it. A capture sequence runs on one stream (a handle, or the per-thread
+ * default stream 2 of a device), with an id unique for the process, a mode and the thread that began
+ * it. What would break a capture in CUDA is refused with CUDA's error, invalidates the capture and is
+ * counted as a violation: the legacy stream used while a blocking stream of its device captures (906);
+ * a capturing stream waiting on an event recorded outside its capture (905) unless the wait is
+ * external, or in another capture (902); a stream outside waiting on a captured event (907); an unsafe
+ * call (allocation, synchronization) that the calling thread's mode prohibits (900). An event recorded
+ * in a capturing stream is a captured event (event_capture), not a point in time. */
+enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
+#define MAX_CAPTURES 16
+static struct {
+    uintptr_t handle;
+    int device;
+    unsigned long long id;
+    int mode;
+    int blocking;       /* not created with cudaStreamNonBlocking: the legacy stream depends on it */
+    int other_thread;   /* begun by another thread than the tests' */
+    int invalidated;
+} captures[MAX_CAPTURES];
+static int capture_count;
+static unsigned long long next_capture_id = 1;
+static unsigned long long event_capture[MAX_EVENTS]; /* the capture of the event's last record, or 0 */
+static int violations;
+static __thread int thread_capture_mode = MODE_GLOBAL;
+
 static const struct { int code; const char *name; const char *text; } error_table[] = {
     {0, "cudaSuccess", "no error"},
     {1, "cudaErrorInvalidValue", "invalid argument"},
@@ -66,6 +92,12 @@ static const struct { int code; const char *name; const char *text; } error_tabl
     {400, "cudaErrorInvalidResourceHandle", "invalid resource handle"},
     {700, "cudaErrorIllegalAddress", "an illegal memory access was encountered"},
     {801, "cudaErrorNotSupported", "operation not supported"},
+    {900, "cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"},
+    {901, "cudaErrorStreamCaptureInvalidated", "operation failed due to a previous error during capture"},
+    {902, "cudaErrorStreamCaptureMerge", "operation would result in a merge of separate capture sequences"},
+    {905, "cudaErrorStreamCaptureIsolation", "dependency created on uncaptured work in another stream"},
+    {906, "cudaErrorStreamCaptureImplicit", "operation would make the legacy stream depend on a capturing blocking stream"},
+    {907, "cudaErrorCapturedEvent", "operation not permitted on an event last recorded in a capturing stream"},
     {999, "cudaErrorUnknown", "unknown error"},
 };
 
@@ -138,6 +170,64 @@ static unsigned primary_active(void)
     for (int d = 0; d < 32; d++)
         active |= primary_retains[d] > 0 ? 1u << d : 0;
     return active;
+}
+
+/* The capture running on stream (the per-thread default stream: the current device's), or NULL. The
+ * legacy stream never captures. Lock held. */
+static int capture_index(cudaStream_t stream)
+{
+    uintptr_t handle = (uintptr_t)stream;
+    for (int i = 0; handle != 1 && i < capture_count; i++)
+        if (captures[i].handle == handle && (handle != 2 || captures[i].device == context_device))
+            return i;
+    return -1;
+}
+
+/* A blocking stream of device is capturing: the legacy stream of that device is unusable. */
+static int legacy_unusable(int device)
+{
+    for (int i = 0; i < capture_count; i++)
+        if (captures[i].blocking && captures[i].device == device)
+            return 1;
+    return 0;
+}
+
+static void invalidate(int i, const char *why)
+{
+    if (!captures[i].invalidated)
+        note("VIOLATION: capture %llu invalidated (%s)", captures[i].id, why);
+    captures[i].invalidated = 1;
+    violations++;
+}
+
+/* The legacy stream used while a blocking stream of the current device captures: 906, and those
+ * captures are invalidated. Lock held. */
+static int use_legacy(cudaStream_t stream, const char *call)
+{
+    if ((uintptr_t)stream != 1 || !legacy_unusable(context_device))
+        return 0;
+    for (int i = 0; i < capture_count; i++)
+        if (captures[i].blocking && captures[i].device == context_device)
+            invalidate(i, call);
+    return last_error = 906;
+}
+
+/* An unsafe call (one the capture cannot observe) made by this thread: refused with 900 where a capture
+ * in progress prohibits it under the calling thread's mode, and those captures invalidated. Lock held. */
+static int unsafe_call(const char *call)
+{
+    int code = 0;
+    for (int i = 0; i < capture_count; i++) {
+        int own = !captures[i].other_thread && captures[i].mode != MODE_RELAXED;
+        int prohibited = thread_capture_mode == MODE_GLOBAL ? own || (captures[i].other_thread && captures[i].mode == MODE_GLOBAL)
+                         : thread_capture_mode == MODE_THREAD_LOCAL ? own
+                                                                    : 0;
+        if (prohibited) {
+            invalidate(i, call);
+            code = last_error = 900;
+        }
+    }
+    return code;
 }
 
 /* ---- runtime API ------------------------------------------------------------------------------- */
@@ -233,7 +323,11 @@ API cudaError_t cudaGetDeviceCount(int *count)
 
 API cudaError_t cudaRuntimeGetVersion(int *version)
 {
+#ifdef DOUBLE_CUDA_12_0
+    *version = 12000;
+#else
     *version = 13000;
+#endif
     return 0;
 }
 
@@ -298,6 +392,13 @@ API cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
     for (int i = 0; code == 0 && i < stream_count; i++)
         if (streams[i].handle == (uintptr_t)stream && streams[i].device != context_device)
             code = last_error = INVALID_RESOURCE_HANDLE;
+    if (code == 0)
+        code = use_legacy(stream, "cudaEventRecord on the legacy stream");
+    int capture = code == 0 ? capture_index(stream) : -1;
+    if (capture >= 0 && captures[capture].invalidated)
+        code = last_error = 901;
+    if (code == 0)
+        event_capture[id] = capture >= 0 ? captures[capture].id : 0;
     pthread_mutex_unlock(&lock);
     return code;
 }
@@ -312,16 +413,107 @@ API cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsi
         bind_context();
     if (code == 0 && (id <= 0 || id >= MAX_EVENTS || event_device[id] == 0))
         code = last_error = INVALID_RESOURCE_HANDLE;
+    if (code == 0)
+        code = use_legacy(stream, "cudaStreamWaitEvent on the legacy stream");
+    int capture = code == 0 ? capture_index(stream) : -1;
+    unsigned long long recorded_in = code == 0 ? event_capture[id] : 0;
+    if (capture >= 0 && captures[capture].invalidated) {
+        code = last_error = 901;
+    }
+    else if (capture >= 0 && recorded_in != captures[capture].id && !(recorded_in == 0 && (flags & 1))) {
+        /* Outside work joins a capture only through an external wait (cudaEventWaitExternal). */
+        code = last_error = recorded_in == 0 ? 905 : (flags & 1) ? 907 : 902;
+        invalidate(capture, recorded_in == 0 ? "wait on an event recorded outside the capture"
+                            : "wait on an event of another capture");
+    }
+    else if (capture < 0 && recorded_in != 0) {
+        code = last_error = 907;
+        for (int i = 0; i < capture_count; i++)
+            if (captures[i].id == recorded_in)
+                invalidate(i, "wait outside the capture on a captured event");
+    }
     pthread_mutex_unlock(&lock);
     return code;
 }
 
-API cudaError_t cudaStreamSynchronize(cudaStream_t stream)
+/* The capture state of stream: 0 none, 1 active, 2 invalidated; 906 for the legacy stream while a
+ * blocking stream of its device captures (nothing invalidated, as CUDA says). */
+static int capture_info(const char *call, cudaStream_t stream, int *status, unsigned long long *id)
 {
-    return logged("cudaStreamSynchronize(%lu)", (unsigned long)(uintptr_t)stream);
+    pthread_mutex_lock(&lock);
+    int code = injected("cudaStreamGetCaptureInfo");
+    if (code == 0)
+        bind_context();
+    if (code == 0 && (uintptr_t)stream == 1 && legacy_unusable(context_device))
+        code = last_error = 906;
+    int capture = code == 0 ? capture_index(stream) : -1;
+    if (code == 0) {
+        *status = capture < 0 ? 0 : captures[capture].invalidated ? 2 : 1;
+        if (id != NULL)
+            *id = capture < 0 ? 0 : captures[capture].id;
+    }
+    if (code != 0)
+        note("%s(%lu) -> error %d", call, (unsigned long)(uintptr_t)stream, code);
+    else if (capture < 0)
+        note("%s(%lu) -> none", call, (unsigned long)(uintptr_t)stream);
+    else
+        note("%s(%lu) -> %s %llu", call, (unsigned long)(uintptr_t)stream, *status == 1 ? "active" : "invalidated",
+             captures[capture].id);
+    pthread_mutex_unlock(&lock);
+    return code;
 }
 
-API cudaError_t cudaDeviceSynchronize(void) { return logged("cudaDeviceSynchronize()"); }
+#ifndef DOUBLE_CUDA_12_0
+/* CUDA 13's signature: edge data between the dependencies and their count. */
+API cudaError_t cudaStreamGetCaptureInfo(cudaStream_t stream, int *status, unsigned long long *id, void **graph,
+                                         const void **dependencies, const void **edges, size_t *count)
+{
+    if (graph != NULL || dependencies != NULL || edges != NULL || count != NULL)
+        return INVALID_VALUE; /* the double answers status and id only */
+    return capture_info("cudaStreamGetCaptureInfo", stream, status, id);
+}
+#else
+/* CUDA 12 exports the first signature (CUDA 11.0's) under the plain name and the six-argument one as _v2. */
+API cudaError_t cudaStreamGetCaptureInfo(cudaStream_t stream, int *status, unsigned long long *id)
+{
+    return capture_info("cudaStreamGetCaptureInfo", stream, status, id);
+}
+
+API cudaError_t cudaStreamGetCaptureInfo_v2(cudaStream_t stream, int *status, unsigned long long *id, void **graph,
+                                            const void **dependencies, size_t *count)
+{
+    if (graph != NULL || dependencies != NULL || count != NULL)
+        return INVALID_VALUE;
+    return capture_info("cudaStreamGetCaptureInfo_v2", stream, status, id);
+}
+#endif
+
+API cudaError_t cudaThreadExchangeStreamCaptureMode(int *mode)
+{
+    int previous = thread_capture_mode;
+    thread_capture_mode = *mode;
+    *mode = previous;
+    return 0;
+}
+
+/* Synchronizing a capturing stream, or any unsafe call the thread's mode prohibits, breaks captures. */
+static cudaError_t synchronize(const char *what, cudaStream_t stream, int whole_device)
+{
+    pthread_mutex_lock(&lock);
+    note("%s(%lu)", what, (unsigned long)(uintptr_t)stream);
+    int code = unsafe_call(what);
+    int capture = whole_device ? -1 : capture_index(stream);
+    if (capture >= 0) {
+        invalidate(capture, what);
+        code = last_error = 900;
+    }
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+API cudaError_t cudaStreamSynchronize(cudaStream_t stream) { return synchronize("cudaStreamSynchronize", stream, 0); }
+
+API cudaError_t cudaDeviceSynchronize(void) { return synchronize("cudaDeviceSynchronize", NULL, 1); }
 
 
 /* Streams made here are 0x7000 + n on the current device. */
@@ -587,6 +779,8 @@ API cudaError_t cudaMalloc(void **pointer, size_t size)
     pthread_mutex_lock(&lock);
     int code = injected("cudaMalloc");
     if (code == 0)
+        code = unsafe_call("cudaMalloc");
+    if (code == 0)
         bind_context();
     if (code == 0 && remember("cudaMalloc", pointer, size) == NULL)
         code = last_error = 2;
@@ -602,6 +796,8 @@ API cudaError_t cudaMallocHost(void **pointer, size_t size)
     pthread_mutex_lock(&lock);
     int code = injected("cudaMallocHost");
     if (code == 0)
+        code = unsafe_call("cudaMallocHost");
+    if (code == 0)
         bind_context();
     if (code == 0 && remember("cudaMallocHost", pointer, size) == NULL)
         code = last_error = 2;
@@ -615,6 +811,8 @@ API cudaError_t cudaMallocManaged(void **pointer, size_t size, unsigned int flag
     pthread_mutex_lock(&lock);
     int code = injected("cudaMallocManaged");
     if (code == 0)
+        code = unsafe_call("cudaMallocManaged");
+    if (code == 0)
         bind_context();
     if (code == 0 && remember("cudaMallocManaged", pointer, size) == NULL)
         code = last_error = 2;
@@ -626,6 +824,10 @@ API cudaError_t cudaFree(void *pointer)
 {
     pthread_mutex_lock(&lock);
     note("cudaFree()");
+    if (unsafe_call("cudaFree") != 0) {
+        pthread_mutex_unlock(&lock);
+        return 900;
+    }
     for (int i = 0; i < region_count; i++) {
         if (regions[i].start == (uintptr_t)pointer && regions[i].type == 2) {
             regions[i] = regions[--region_count];
@@ -641,6 +843,10 @@ API cudaError_t cudaFreeHost(void *pointer)
 {
     pthread_mutex_lock(&lock);
     note("cudaFreeHost()");
+    if (unsafe_call("cudaFreeHost") != 0) {
+        pthread_mutex_unlock(&lock);
+        return 900;
+    }
     free(pointer);
     pthread_mutex_unlock(&lock);
     return 0;
@@ -658,6 +864,9 @@ API void double_reset(void)
     runtime_holds = 1;
     memset(primary_retains, 0, sizeof(primary_retains));
     device_count = 4;
+    capture_count = violations = 0;
+    memset(event_capture, 0, sizeof(event_capture));
+    thread_capture_mode = MODE_GLOBAL;
     log_length = 0;
     log_text[0] = '\0';
     pthread_mutex_unlock(&lock);
@@ -756,6 +965,55 @@ API void double_set_device_count(int count) { device_count = count; }
 API int double_last_error(void) { return last_error; }
 API int double_events_created(void) { return events_created; }
 API int double_events_alive(void) { return events_created - events_destroyed; }
+
+/* Begins a capture on stream (of device) in mode; blocking: a stream the legacy stream depends on;
+ * other_thread: begun by another thread. Returns the capture's id, or 0 when the stream already captures. */
+API unsigned long long double_begin_capture(uintptr_t handle, int device, int mode, int blocking, int other_thread)
+{
+    pthread_mutex_lock(&lock);
+    unsigned long long id = 0;
+    int busy = 0;
+    for (int i = 0; i < capture_count; i++)
+        busy |= captures[i].handle == handle && captures[i].device == device;
+    if (!busy && capture_count < MAX_CAPTURES && handle != 1) {
+        id = next_capture_id++;
+        captures[capture_count].handle = handle, captures[capture_count].device = device;
+        captures[capture_count].id = id, captures[capture_count].mode = mode;
+        captures[capture_count].blocking = blocking, captures[capture_count].other_thread = other_thread;
+        captures[capture_count].invalidated = 0;
+        capture_count++;
+    }
+    pthread_mutex_unlock(&lock);
+    return id;
+}
+
+/* Ends the capture with id: 1 when it made a graph, 0 when it was invalidated, -1 when there is none. */
+API int double_end_capture(unsigned long long id)
+{
+    pthread_mutex_lock(&lock);
+    int result = -1;
+    for (int i = 0; i < capture_count; i++) {
+        if (captures[i].id == id) {
+            result = !captures[i].invalidated;
+            captures[i] = captures[--capture_count];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return result;
+}
+
+/* Invalidates the capture with id, as an earlier error of someone else's would. */
+API void double_invalidate_capture(unsigned long long id)
+{
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < capture_count; i++)
+        if (captures[i].id == id)
+            captures[i].invalidated = 1;
+    pthread_mutex_unlock(&lock);
+}
+
+API int double_violations(void) { return violations; }
 
 /* Calls fn(arg) on a new thread that has never held the GIL, and waits for it. */
 static void *trampoline(void *pair)
