@@ -987,16 +987,34 @@ API unsigned long long double_begin_capture(uintptr_t handle, int device, int mo
     return id;
 }
 
+/* Adds stream (of device; blocking as for double_begin_capture) to the capture with id, as waiting on an
+ * event recorded in it would (a fork). Returns 0, or -1 when there is no such capture. */
+API int double_join_capture(uintptr_t handle, int device, unsigned long long id, int blocking)
+{
+    pthread_mutex_lock(&lock);
+    int found = -1;
+    for (int i = 0; i < capture_count; i++)
+        if (captures[i].id == id)
+            found = i;
+    if (found >= 0 && capture_count < MAX_CAPTURES) {
+        captures[capture_count] = captures[found];
+        captures[capture_count].handle = handle, captures[capture_count].device = device;
+        captures[capture_count].blocking = blocking;
+        capture_count++;
+    }
+    pthread_mutex_unlock(&lock);
+    return found >= 0 ? 0 : -1;
+}
+
 /* Ends the capture with id: 1 when it made a graph, 0 when it was invalidated, -1 when there is none. */
 API int double_end_capture(unsigned long long id)
 {
     pthread_mutex_lock(&lock);
     int result = -1;
-    for (int i = 0; i < capture_count; i++) {
+    for (int i = capture_count - 1; i >= 0; i--) {
         if (captures[i].id == id) {
             result = !captures[i].invalidated;
             captures[i] = captures[--capture_count];
-            break;
         }
     }
     pthread_mutex_unlock(&lock);

@@ -10,6 +10,8 @@ SOURCE = os.path.join(os.path.dirname(__file__), os.pardir, "cudart_double", "cu
 
 # cudaMemoryType values, as the runtime reports them.
 UNREGISTERED, PINNED_HOST, DEVICE, MANAGED = 0, 1, 2, 3
+# cudaStreamCaptureMode values.
+GLOBAL, THREAD_LOCAL, RELAXED = 0, 1, 2
 
 
 def build(directory=None, cuda_12_0=False):
@@ -39,6 +41,11 @@ class CudaDouble:
         self.lib.double_fail.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
         self.lib.double_add_stream.argtypes = [ctypes.c_size_t, ctypes.c_int]
         self.lib.double_primary_contexts.restype = ctypes.c_uint
+        self.lib.double_begin_capture.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self.lib.double_begin_capture.restype = ctypes.c_ulonglong
+        self.lib.double_join_capture.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int]
+        self.lib.double_end_capture.argtypes = [ctypes.c_ulonglong]
+        self.lib.double_invalidate_capture.argtypes = [ctypes.c_ulonglong]
 
     def reset(self):
         self.lib.double_reset()
@@ -98,3 +105,32 @@ class CudaDouble:
     @property
     def events_alive(self):
         return self.lib.double_events_alive()
+
+    # ---- stream capture (CUDA graphs) ----
+
+    def begin_capture(self, stream, device=0, mode=GLOBAL, blocking=False, other_thread=False):
+        """Starts capturing on stream (a handle, or 2 for device's per-thread default stream) and returns the
+        capture's id. blocking: a stream the legacy stream depends on (not cudaStreamNonBlocking), so the legacy
+        stream of device is unusable while it captures; other_thread: a capture another thread began."""
+        capture = self.lib.double_begin_capture(stream, device, mode, int(blocking), int(other_thread))
+        assert capture != 0
+        return capture
+
+    def join_capture(self, stream, capture, device=0, blocking=False):
+        """stream joins the capture (as a fork through an event recorded in it would make it)."""
+        assert self.lib.double_join_capture(stream, device, capture, int(blocking)) == 0
+
+    def end_capture(self, capture):
+        """True when the capture made a graph, False when something invalidated it."""
+        result = self.lib.double_end_capture(capture)
+        assert result in (0, 1)
+        return bool(result)
+
+    def invalidate_capture(self, capture):
+        """An earlier error of someone else's invalidated the capture."""
+        self.lib.double_invalidate_capture(capture)
+
+    @property
+    def violations(self):
+        """How many calls would have broken (invalidated) a capture."""
+        return self.lib.double_violations()

@@ -1,0 +1,440 @@
+"""Conversions inside CUDA graph capture, through the runtime double: every cell of the README's table (producer
+stream x consumer stream, each capturing or not, in one capture or two, the legacy stream usable or not) through
+every door, in every capture mode. The capture is never invalidated (the double counts each call CUDA would
+refuse), the host never blocks, and where no ordering keeps the capture whole and the replay right, the
+conversion raises CudaError naming the capture and the error CUDA would have given, having called nothing."""
+import itertools
+import re
+
+import numpy as np
+import pytest
+
+from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai
+from support import c_example
+from support.cai_objects import CaiArray, register
+from support.cuda_double import DEVICE, GLOBAL, MANAGED, RELAXED, THREAD_LOCAL
+
+LEGACY, PER_THREAD = 1, 2
+P_HANDLE, C_HANDLE, BYSTANDER = 0x5000, 0x6000, 0x7000
+BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+# A stream's part in the capture, as the table's rows (producer) and columns (consumer) name it.
+FREE = "not capturing"
+SAME = "capturing, in the consumer's capture"
+OTHER = "capturing, in a capture the consumer is not in"
+CAPTURING = "capturing"
+BLOCKED = "legacy, while a blocking stream of its device captures"
+INVALIDATED = "in a capture already invalidated"
+
+# What the conversion does: the README's table, as data.
+ORDER, EXTERNAL = "record, wait", "record, external wait"
+IMPLICIT, INVALID, MERGE, CAPTURED_EVENT = 906, 901, 902, 907
+TABLE = {
+    FREE: {FREE: ORDER, CAPTURING: EXTERNAL, BLOCKED: IMPLICIT, INVALIDATED: INVALID},
+    SAME: {CAPTURING: ORDER},
+    OTHER: {FREE: CAPTURED_EVENT, CAPTURING: MERGE, BLOCKED: IMPLICIT, INVALIDATED: INVALID},
+    BLOCKED: {FREE: IMPLICIT, CAPTURING: IMPLICIT, BLOCKED: IMPLICIT, INVALIDATED: IMPLICIT},
+    INVALIDATED: {FREE: INVALID, CAPTURING: INVALID, BLOCKED: IMPLICIT, INVALIDATED: INVALID},
+}
+ERROR_NAMES = {IMPLICIT: "cudaErrorStreamCaptureImplicit", INVALID: "cudaErrorStreamCaptureInvalidated",
+               MERGE: "cudaErrorStreamCaptureMerge", CAPTURED_EVENT: "cudaErrorCapturedEvent"}
+
+
+def states_of(stream, role):
+    if stream == LEGACY:  # never captures: usable or not
+        return [FREE, BLOCKED]
+    return [FREE, SAME, OTHER, INVALIDATED] if role == "producer" else [FREE, CAPTURING, INVALIDATED]
+
+
+def possible(producer, made, consumer, used):
+    """A cell CUDA can be in: SAME needs a capturing consumer, and the per-thread default stream synchronizes with
+    the legacy stream, so while it captures the legacy stream of its device is unusable."""
+    if made == SAME and used != CAPTURING:
+        return False
+    per_thread_captures = (producer == PER_THREAD and made != FREE) or (consumer == PER_THREAD and used != FREE)
+    legacy_free = (producer == LEGACY and made == FREE) or (consumer == LEGACY and used == FREE)
+    return not (per_thread_captures and legacy_free)
+
+
+CELLS = [(p, made, c, used)
+         for p, c in itertools.product([LEGACY, PER_THREAD, P_HANDLE], [LEGACY, PER_THREAD, C_HANDLE]) if p != c
+         for made in states_of(p, "producer") for used in states_of(c, "consumer") if possible(p, made, c, used)]
+NAMES = {LEGACY: "legacy", PER_THREAD: "per-thread", P_HANDLE: "handle", C_HANDLE: "handle"}
+
+
+def cell_id(cell):
+    p, made, c, used = cell
+    return f"{NAMES[p]}:{made.split(',')[0].split(' ')[0]}-{NAMES[c]}:{used.split(',')[0].split(' ')[0]}" + (
+        "-same" if made == SAME else "-other" if made == OTHER else "")
+
+
+def begin_world(cudart, cell, mode=GLOBAL, other_thread=False, device=0):
+    """Starts the captures the cell describes; returns {capture id: expected to end valid}. Handles capture as
+    non-blocking streams (as PyTorch's), the per-thread default stream as the blocking stream it is."""
+    producer, made, consumer, used = cell
+    captures = {}
+
+    def begin(stream, blocking=None):
+        capture = cudart.begin_capture(stream, device, mode, blocking=stream == PER_THREAD if blocking is None
+                                       else blocking, other_thread=other_thread)
+        captures[capture] = True
+        return capture
+
+    if used in (CAPTURING, INVALIDATED):
+        consumer_capture = begin(consumer)
+        if used == INVALIDATED:
+            cudart.invalidate_capture(consumer_capture)
+            captures[consumer_capture] = False
+        if made == SAME:
+            cudart.join_capture(producer, consumer_capture, device, blocking=producer == PER_THREAD)
+    if made in (OTHER, INVALIDATED):
+        producer_capture = begin(producer)
+        if made == INVALIDATED:
+            cudart.invalidate_capture(producer_capture)
+            captures[producer_capture] = False
+    legacy_blocked = BLOCKED in (made, used)
+    already = any(stream == PER_THREAD and state != FREE for stream, state in ((producer, made), (consumer, used)))
+    if legacy_blocked and not already:
+        begin(BYSTANDER, blocking=True)
+    return captures
+
+
+def end_world(cudart, captures):
+    assert {capture: cudart.end_capture(capture) for capture in captures} == captures
+    assert cudart.violations == 0
+
+
+def order_calls(log):
+    return [re.sub(r"ev\d+", "ev", line) for line in log if line.startswith(("cudaEventRecord", "cudaStreamWaitEvent"))]
+
+
+def expected_order(cell):
+    producer, made, consumer, used = cell
+    outcome = TABLE[made][used]
+    if outcome == ORDER:
+        return [f"cudaEventRecord(ev, {producer})", f"cudaStreamWaitEvent({consumer}, ev, 0)"]
+    if outcome == EXTERNAL:
+        return [f"cudaEventRecord(ev, {producer})", f"cudaStreamWaitEvent({consumer}, ev, 1)"]
+    return []
+
+
+@pytest.fixture
+def data(cudart):
+    host = np.arange(8, dtype=np.float32)
+    register(cudart, host, DEVICE, device=0)
+    cai2dlpack(CaiArray(host, stream=P_HANDLE), stream=C_HANDLE)  # the shared pooled event exists
+    cudart.clear_log()
+    return host
+
+
+@pytest.fixture(scope="module")
+def example():
+    return c_example.build()
+
+
+def through(door, example, obj, consumer):
+    if door == "cai2dlpack":
+        return cai2dlpack(obj, stream=consumer)
+    if door == "__dlpack__":
+        return DLPackShim(obj).__dlpack__(stream=consumer, max_version=(1, 0))
+    if door == "dlpack2cai":
+        return dlpack2cai(DLPackShim(obj), stream=consumer)
+    if door == "c_api_fill":
+        return example.fill(obj, consumer)
+    if door == "c_api_managed":
+        return example.managed(obj, consumer)
+    raise AssertionError(door)
+
+
+def check_cell(cudart, cell, convert):
+    producer, made, consumer, used = cell
+    outcome = TABLE[made][used]
+    if isinstance(outcome, int):
+        with pytest.raises(CudaError, match="break a CUDA graph capture") as raised:
+            convert()
+        assert (raised.value.code, raised.value.name) == (outcome, ERROR_NAMES[outcome])
+        assert raised.value.call in ("cudaEventRecord", "cudaStreamWaitEvent")
+        message = str(raised.value)
+        if outcome in (INVALID, MERGE, CAPTURED_EVENT):
+            assert re.search(r"capture(?: id)? \d+", message)  # the capture is named
+        else:
+            assert "legacy default stream" in message
+    else:
+        assert convert() is not None
+    log = cudart.log()
+    assert order_calls(log) == expected_order(cell)
+    assert not any(line.startswith(BLOCKING) for line in log)
+    assert cudart.last_error == 0
+
+
+@pytest.mark.parametrize("door", ["cai2dlpack", "__dlpack__", "dlpack2cai", "c_api_fill", "c_api_managed"])
+@pytest.mark.parametrize("cell", CELLS, ids=cell_id)
+def test_every_cell_through_every_door(cudart, data, example, door, cell):
+    captures = begin_world(cudart, cell)
+    check_cell(cudart, cell, lambda: through(door, example, CaiArray(data, stream=cell[0]), cell[2]))
+    end_world(cudart, captures)
+
+
+@pytest.mark.parametrize("mode,other_thread", [(GLOBAL, False), (GLOBAL, True), (THREAD_LOCAL, False),
+                                               (THREAD_LOCAL, True), (RELAXED, False)])
+@pytest.mark.parametrize("cell", CELLS, ids=cell_id)
+def test_every_cell_in_every_capture_mode(cudart, data, cell, mode, other_thread):
+    """The mode decides which unsafe calls a capture forbids; a conversion makes none (events, waits, capture
+    queries, context push and pop are all allowed during any capture), so the table holds in every mode, for
+    captures this thread began and captures another thread began."""
+    captures = begin_world(cudart, cell, mode, other_thread)
+    check_cell(cudart, cell, lambda: cai2dlpack(CaiArray(data, stream=cell[0]), stream=cell[2]))
+    end_world(cudart, captures)
+
+
+@pytest.mark.parametrize("cell", [cell for cell in CELLS if cell[2] == LEGACY], ids=cell_id)
+def test_exchange_api_cells(cudart, data, example, cell):
+    """The exchange API's no-sync calls order the producer before the legacy stream they report."""
+    captures = begin_world(cudart, cell)
+    check_cell(cudart, cell, lambda: example.exchange_dltensor(DLPackShim(CaiArray(data, stream=cell[0]))))
+    end_world(cudart, captures)
+
+
+def test_the_table_is_complete():
+    """Every cell has an answer, and every stream kind meets every other in each state it can be in."""
+    for producer, made, consumer, used in CELLS:
+        assert used in TABLE[made]
+    assert len(CELLS) == 50  # 7 pairs of distinct stream kinds, each in the states it can be in
+
+
+# ---- the columns where nothing is ordered: no capture query at all ----------------------------------
+
+CAPTURE_CALLS = ("cudaStreamGetCaptureInfo", "cudaEventRecord", "cudaStreamWaitEvent")
+
+
+@pytest.mark.parametrize("producer,made", [(LEGACY, FREE), (LEGACY, BLOCKED)] + [
+    (stream, state) for stream in (PER_THREAD, P_HANDLE) for state in (FREE, OTHER, INVALIDATED)])
+def test_consumer_minus_one_asks_nothing(cudart, data, producer, made):
+    cell = (producer, made, C_HANDLE, FREE)
+    captures = begin_world(cudart, cell)
+    cai2dlpack(CaiArray(data, stream=producer), stream=-1)
+    dlpack2cai(DLPackShim(CaiArray(data, stream=producer)), stream=-1)
+    assert not any(line.startswith(CAPTURE_CALLS) for line in cudart.log())
+    end_world(cudart, captures)
+
+
+@pytest.mark.parametrize("stream", [PER_THREAD, C_HANDLE])
+def test_same_stream_in_a_capture_asks_nothing(cudart, data, stream):
+    captures = {cudart.begin_capture(stream, 0, GLOBAL, blocking=stream == PER_THREAD): True}
+    cai2dlpack(CaiArray(data, stream=stream), stream=stream)
+    assert not any(line.startswith(CAPTURE_CALLS) for line in cudart.log())
+    end_world(cudart, captures)
+
+
+@pytest.mark.parametrize("consumer", [None, LEGACY, PER_THREAD, C_HANDLE])
+def test_no_producer_stream_asks_nothing(cudart, data, consumer):
+    """A CAI without a stream, host memory, and an array without elements: nothing to order, nothing asked, even
+    with the legacy stream unusable and the consumer capturing."""
+    captures = {cudart.begin_capture(BYSTANDER, 0, GLOBAL, blocking=True): True}
+    if consumer in (PER_THREAD, C_HANDLE):
+        captures[cudart.begin_capture(consumer, 0, GLOBAL)] = True
+    cai2dlpack(CaiArray(data), stream=consumer)
+    cai2dlpack(np.arange(3.0), stream=consumer)
+    cai2dlpack(CaiArray(np.zeros((0, 2), dtype=np.float32), stream=P_HANDLE), stream=consumer)
+    assert not any(line.startswith(CAPTURE_CALLS) for line in cudart.log())
+    end_world(cudart, captures)
+
+
+def test_sync_off_asks_nothing(cudart, data):
+    import cai_dlpack
+
+    captures = {cudart.begin_capture(P_HANDLE, 0, GLOBAL): True}
+    try:
+        cai_dlpack.options(sync=False)
+        cai2dlpack(CaiArray(data, stream=P_HANDLE), stream=C_HANDLE)
+    finally:
+        cai_dlpack.options(sync=True)
+    assert not any(line.startswith(CAPTURE_CALLS) for line in cudart.log())
+    end_world(cudart, captures)
+
+
+# ---- the external wait, contexts and devices ---------------------------------------------------------
+
+def event_of(line):
+    return re.search(r"ev(\d+)", line).group(1)
+
+
+def events_used(log):
+    return [event_of(line) for line in log if line.startswith(("cudaEventRecord", "cudaStreamWaitEvent"))]
+
+
+def test_external_wait_uses_its_own_event_per_producer_stream(cudart, data):
+    """A graph keeps the event of its external wait and waits, at each launch, on its latest record: that event is
+    never the shared one (recorded in captures and on any stream), and is recorded again only on the same
+    producer stream, outside any capture."""
+    cai2dlpack(CaiArray(data, stream=P_HANDLE), stream=C_HANDLE)
+    shared = events_used(cudart.log())[0]
+    capture = cudart.begin_capture(C_HANDLE, 0, GLOBAL)
+    cudart.clear_log()
+    cai2dlpack(CaiArray(data, stream=P_HANDLE), stream=C_HANDLE)
+    first = events_used(cudart.log())
+    cudart.clear_log()
+    cai2dlpack(CaiArray(data, stream=P_HANDLE + 1), stream=C_HANDLE)
+    second = events_used(cudart.log())
+    assert first[0] == first[1] != shared
+    assert second[0] == second[1] not in (shared, first[0])
+    cudart.clear_log()
+    cai2dlpack(CaiArray(data, stream=P_HANDLE), stream=C_HANDLE)  # the same producer stream: the same event
+    assert events_used(cudart.log()) == first
+    assert cudart.end_capture(capture) and cudart.violations == 0
+    created = cudart.events_created
+    cudart.clear_log()
+    cai2dlpack(CaiArray(data, stream=P_HANDLE), stream=C_HANDLE)  # after the capture: the shared event again
+    assert events_used(cudart.log()) == [shared, shared] and cudart.events_created == created
+
+
+def test_a_producer_on_another_device_joins_the_capture_in_its_context(cudart):
+    """Device memory of device 2 made on its stream, consumed on a capturing stream of device 2 by a caller on
+    device 0: the external wait happens in device 2's context, and the caller's context comes back."""
+    host = np.zeros(4, dtype=np.float32)
+    register(cudart, host, DEVICE, device=2)
+    cudart.add_stream(P_HANDLE, 2)
+    cudart.add_stream(C_HANDLE, 2)
+    capture = cudart.begin_capture(C_HANDLE, 2, GLOBAL)
+    cai2dlpack(CaiArray(host, stream=P_HANDLE), stream=C_HANDLE)
+    log = cudart.log()
+    assert order_calls(log) == [f"cudaEventRecord(ev, {P_HANDLE})", f"cudaStreamWaitEvent({C_HANDLE}, ev, 1)"]
+    assert log.index("cuCtxPushCurrent(ctx2)") < log.index(f"cudaStreamGetCaptureInfo({P_HANDLE}) -> none")
+    assert cudart.context_device == 0
+    assert cudart.end_capture(capture) and cudart.violations == 0
+
+
+def test_legacy_stream_of_another_device_is_free(cudart, data):
+    """The legacy stream is unusable only on the device whose blocking stream captures: a capture on device 3
+    leaves device 0's legacy stream to the conversion."""
+    capture = cudart.begin_capture(BYSTANDER, 3, GLOBAL, blocking=True)
+    cai2dlpack(CaiArray(data, stream=P_HANDLE))  # consumer None: the legacy stream of device 0
+    assert order_calls(cudart.log()) == [f"cudaEventRecord(ev, {P_HANDLE})", "cudaStreamWaitEvent(1, ev, 0)"]
+    assert cudart.end_capture(capture) and cudart.violations == 0
+
+
+@pytest.mark.parametrize("caller_device,capture_device,refused", [(0, 0, True), (0, 1, False), (1, 1, True)])
+def test_managed_memory_legacy_consumer_is_the_callers(cudart, caller_device, capture_device, refused):
+    """Managed memory's legacy consumer stream is the caller's device's: that is the legacy stream whose use a
+    blocking capture forbids, whatever device the allocation names."""
+    host = np.zeros(4, dtype=np.float32)
+    register(cudart, host, MANAGED, device=1)
+    cudart.add_stream(P_HANDLE, 2)
+    cudart.current_device = caller_device
+    capture = cudart.begin_capture(BYSTANDER, capture_device, GLOBAL, blocking=True)
+    cudart.clear_log()
+    if refused:
+        with pytest.raises(CudaError, match="legacy default stream") as raised:
+            cai2dlpack(CaiArray(host, stream=P_HANDLE), stream=LEGACY)
+        assert raised.value.code == IMPLICIT and order_calls(cudart.log()) == []
+    else:
+        cai2dlpack(CaiArray(host, stream=P_HANDLE), stream=LEGACY)
+        assert order_calls(cudart.log())[-1] == "cudaStreamWaitEvent(1, ev, 0)"
+    assert cudart.context_device == caller_device
+    assert cudart.end_capture(capture) and cudart.violations == 0
+
+
+def test_a_view_handed_on_inside_its_capture(cudart, data):
+    """dlpack2cai on a capturing stream exports that stream; handing the view on to another stream of the same
+    capture orders inside the graph, to a stream outside it raises."""
+    capture = cudart.begin_capture(C_HANDLE, 0, GLOBAL)
+    cudart.join_capture(P_HANDLE, capture)
+    view = dlpack2cai(DLPackShim(CaiArray(data, stream=P_HANDLE)), stream=C_HANDLE)
+    assert view.__cuda_array_interface__["stream"] == C_HANDLE
+    cudart.clear_log()
+    view.__dlpack__(stream=P_HANDLE, max_version=(1, 0))
+    assert order_calls(cudart.log()) == [f"cudaEventRecord(ev, {C_HANDLE})", f"cudaStreamWaitEvent({P_HANDLE}, ev, 0)"]
+    with pytest.raises(CudaError, match=f"capture id {capture}") as raised:
+        view.__dlpack__(stream=BYSTANDER, max_version=(1, 0))
+    assert raised.value.code == CAPTURED_EVENT
+    assert cudart.end_capture(capture) and cudart.violations == 0
+
+
+def test_capture_query_failure_is_a_cuda_error(cudart, data):
+    cudart.fail("cudaStreamGetCaptureInfo", 400)
+    with pytest.raises(CudaError, match="cudaStreamGetCaptureInfo failed: cudaErrorInvalidResourceHandle"):
+        cai2dlpack(CaiArray(data, stream=P_HANDLE), stream=C_HANDLE)
+    assert order_calls(cudart.log()) == [] and cudart.last_error == 0 and cudart.context_device == 0
+
+
+# ---- the double itself: what it calls a violation ---------------------------------------------------
+
+def test_the_double_refuses_what_cuda_refuses(cudart, data):
+    """The naive ordering (record and wait, no capture check) through the double, to show what the table avoids:
+    each refused call invalidates its capture and counts as a violation."""
+    import ctypes
+
+    lib = cudart.lib
+    event = ctypes.c_void_p()
+    assert lib.cudaEventCreateWithFlags(ctypes.byref(event), 2) == 0
+    # A capturing consumer waiting on outside work.
+    capture = cudart.begin_capture(C_HANDLE, 0, GLOBAL)
+    assert lib.cudaEventRecord(event, ctypes.c_void_p(P_HANDLE)) == 0
+    assert lib.cudaStreamWaitEvent(ctypes.c_void_p(C_HANDLE), event, 0) == 905
+    assert not cudart.end_capture(capture) and cudart.violations == 1
+    # The same wait made external joins the capture.
+    capture = cudart.begin_capture(C_HANDLE, 0, GLOBAL)
+    assert lib.cudaStreamWaitEvent(ctypes.c_void_p(C_HANDLE), event, 1) == 0
+    assert cudart.end_capture(capture) and cudart.violations == 1
+    # A stream outside waiting on captured work.
+    capture = cudart.begin_capture(P_HANDLE, 0, GLOBAL)
+    assert lib.cudaEventRecord(event, ctypes.c_void_p(P_HANDLE)) == 0
+    assert lib.cudaStreamWaitEvent(ctypes.c_void_p(C_HANDLE), event, 0) == 907
+    assert not cudart.end_capture(capture) and cudart.violations == 2
+    # The legacy stream while a blocking stream captures.
+    capture = cudart.begin_capture(BYSTANDER, 0, GLOBAL, blocking=True)
+    assert lib.cudaEventRecord(event, ctypes.c_void_p(LEGACY)) == 906
+    assert not cudart.end_capture(capture) and cudart.violations == 3
+    # An unsafe call while another thread captures in global mode, but not in relaxed mode.
+    capture = cudart.begin_capture(BYSTANDER, 0, GLOBAL, other_thread=True)
+    pointer = ctypes.c_void_p()
+    assert lib.cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(8)) == 900
+    assert not cudart.end_capture(capture) and cudart.violations == 4
+    capture = cudart.begin_capture(BYSTANDER, 0, RELAXED, other_thread=True)
+    assert lib.cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(8)) == 0
+    lib.cudaFree(pointer)
+    assert cudart.end_capture(capture) and cudart.violations == 4
+    cudart.lib.cudaGetLastError()
+
+
+# ---- doors the lead wires (dlpack_to_cai.c, c_api.c): strict xfail until then -------------------------
+
+class CudaProducer:
+    """A DLPack producer of device memory that records the stream it was asked for."""
+
+    def __init__(self, data):
+        self.data = data
+        self.asked = []
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, stream=None, max_version=None, **kwargs):
+        self.asked.append(stream)
+        return DLPackShim(CaiArray(self.data)).__dlpack__(stream=-1, max_version=max_version)
+
+
+@pytest.mark.xfail(strict=True, reason="needs cdl_check_stream_request wired into cdl_view_from_object (dlpack_to_cai.c)")
+def test_dlpack2cai_does_not_ask_a_producer_for_an_unusable_legacy_stream(cudart, data):
+    capture = cudart.begin_capture(BYSTANDER, 0, GLOBAL, blocking=True)
+    producer = CudaProducer(data)
+    try:
+        with pytest.raises(CudaError, match="legacy default stream") as raised:
+            dlpack2cai(producer)  # stream None: the legacy default stream
+        assert raised.value.code == IMPLICIT and producer.asked == []
+    finally:
+        assert cudart.end_capture(capture)
+    dlpack2cai(producer, stream=C_HANDLE)  # any other stream is passed on as it is
+    assert producer.asked == [C_HANDLE]
+
+
+@pytest.mark.xfail(strict=True, reason="needs cdl_current_work_stream wired into the exchange API (c_api.c)")
+def test_exchange_work_stream_refuses_an_unusable_legacy_stream(cudart, example):
+    capture = cudart.begin_capture(BYSTANDER, 0, GLOBAL, blocking=True)
+    try:
+        with pytest.raises(CudaError, match="legacy default stream"):
+            example.exchange_work_stream(DLPackShim, 2, 0)
+        assert example.exchange_work_stream(DLPackShim, 1, 0) == 0  # the CPU asks nothing
+    finally:
+        assert cudart.end_capture(capture)
+    assert cudart.violations == 0
