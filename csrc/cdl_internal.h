@@ -224,6 +224,10 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer);
  * graph (the producer's ordering would invalidate the capture). Calls nothing for other streams, for
  * host memory, or with sync off. */
 int cdl_check_stream_request(DLDevice device, int64_t consumer);
+/* The stream a view exports in its CAI (0 for None): stream, or 0 while it is capturing a graph (or is the
+ * legacy stream and a blocking stream of device captures), since CAI consumers synchronize the stream they
+ * are given and a capture forbids that. One capture query; none for stream 0 or host memory. 0 or -1. */
+int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out);
 /* The exchange API's current work stream of a device: NULL (the legacy default stream) for CUDA memory,
  * or -1 with CudaError while a blocking stream of that device captures a graph (launching on the legacy
  * stream would invalidate the capture); NULL without a call for other devices. */

@@ -334,6 +334,30 @@ int cdl_check_stream_request(DLDevice device, int64_t consumer)
                                    "the producer would be asked to make its data ready on");
 }
 
+int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out)
+{
+    *out = stream;
+    if (stream == 0 || !cdl_is_cuda_memory(device.device_type))
+        return 0;
+    const cdl_cudart *rt = cdl_cudart_get();
+    if (rt == NULL)
+        return -1;
+    cdl_device_scope scope;
+    const int enter = device.device_type == kDLCUDA && stream <= CDL_STREAM_PER_THREAD;
+    if (enter && cdl_device_enter(rt, device.device_id, &scope) != 0)
+        return cdl_raise_scope_error(&scope);
+    cdl_capture capture;
+    int result = cdl_capture_of(rt, stream, &capture);
+    /* A consumer may synchronize the stream it is given, which a capture forbids (on a capturing stream,
+     * and on the legacy stream while a blocking one captures); and nothing it could wait for exists
+     * before the graph is launched. A consumer inside the capture is ordered by the capture itself. */
+    if (result == 0 && capture.state != CDL_CAPTURE_NONE)
+        *out = 0;
+    if (enter && cdl_device_leave(rt, &scope) != 0 && result == 0)
+        result = cdl_raise_scope_error(&scope);
+    return result;
+}
+
 int cdl_current_work_stream(DLDeviceType device_type, int32_t device_id, void **out)
 {
     *out = NULL; /* the legacy default stream */

@@ -438,3 +438,17 @@ def test_exchange_work_stream_refuses_an_unusable_legacy_stream(cudart, example)
     finally:
         assert cudart.end_capture(capture)
     assert cudart.violations == 0
+
+
+@pytest.mark.xfail(strict=True, reason="needs cdl_stream_to_export wired into cdl_view_interface (dlpack_to_cai.c)")
+@pytest.mark.parametrize("stream,blocking", [(C_HANDLE, False), (PER_THREAD, True), (LEGACY, None)])
+def test_a_view_exports_no_stream_while_it_captures(cudart, data, stream, blocking):
+    """CAI consumers synchronize the stream a view exports (Numba and CuPy by default), which a capture forbids:
+    while the view's stream captures (or is the legacy stream a blocking capture makes unusable) the view
+    exports "stream": None; the consumer is ordered by launching into the same capture."""
+    view = dlpack2cai(DLPackShim(CaiArray(data, stream=P_HANDLE)), stream=stream)
+    capture = cudart.begin_capture(BYSTANDER if stream == LEGACY else stream, 0, GLOBAL,
+                                   blocking=True if blocking is None else blocking)
+    assert view.__cuda_array_interface__["stream"] is None
+    assert cudart.end_capture(capture) and cudart.violations == 0
+    assert view.__cuda_array_interface__["stream"] == stream
