@@ -221,10 +221,7 @@ static int cdl_exchange_to_object(DLManagedTensorVersioned *tensor, void **out_p
 
 static int cdl_exchange_current_work_stream(DLDeviceType device_type, int32_t device_id, void **out)
 {
-    (void)device_type;
-    (void)device_id;
-    *out = NULL; /* the default (legacy) stream */
-    return 0;
+    return cdl_current_work_stream(device_type, device_id, out);
 }
 
 static const DLPackExchangeAPI cdl_exchange_api = {

@@ -158,7 +158,13 @@ static PyObject *cdl_view_interface(cdl_view *self, int with_stream)
 {
     PyObject *stream = NULL;
     if (with_stream) {
-        stream = self->stream != 0 && cdl_option_export_stream ? PyLong_FromLongLong(self->stream) : Py_NewRef(Py_None);
+        /* A capturing stream exports None: CAI consumers synchronize the stream they are given, which a
+         * capture forbids. */
+        int64_t exported = 0;
+        if (self->stream != 0 && cdl_option_export_stream &&
+            cdl_stream_to_export(self->stream, self->device, &exported) < 0)
+            return NULL;
+        stream = exported ? PyLong_FromLongLong(exported) : Py_NewRef(Py_None);
         if (stream == NULL)
             return NULL;
     }
