@@ -138,7 +138,7 @@ static inline int cdl_extent_fits(uintptr_t address, int64_t low, int64_t high)
 typedef struct {
     PyObject *shape, *typestr, *data, *strides, *version, *mask, *stream, *offset, *descr;
     PyObject *cuda_array_interface, *array_interface, *dlpack, *dlpack_device;
-    PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream, *dtype, *name;
+    PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream, *dtype, *name, *cuda_stream;
 } cdl_names;
 extern cdl_names cdl_name;
 /* cai_dlpack.UnsupportedArrayError (a BufferError and a ValueError): valid data that DLPack, or an array
@@ -210,7 +210,8 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
 /* Process-wide switches of the CAI spec's opt-outs. */
 extern int cdl_option_sync;            /* 0: consumers ignore producer streams */
 extern int cdl_option_export_stream;   /* 0: producers export "stream": None */
-/* Parses a stream value named what: a consumer's argument (None -> 1, -1, 1, 2 or a handle) when
+/* Parses a stream value named what: a consumer's argument (None -> 1, -1, 1, 2, a handle, or an object
+ * of the CUDA stream protocol, __cuda_stream__() -> (version, handle), a NULL handle -> 1) when
  * consumer is 1, a CAI 'stream' entry (None -> 0, 1, 2 or a handle) when 0. Returns 0 or -1. */
 int cdl_parse_stream(PyObject *value, const char *what, int consumer, int64_t *out);
 /* Orders the consumer stream after arr's producer stream on its device, host not blocked (nothing to do

@@ -129,7 +129,13 @@ PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream)
     int64_t consumer;
     if (cdl_parse_stream(stream, "stream", 1, &consumer) < 0)
         return NULL;
-    PyObject *capsule = PyCapsule_CheckExact(obj) ? Py_NewRef(obj) : cdl_call_dlpack(obj, stream);
+    /* A producer is asked with the array API's int, also for a stream object the caller gave. */
+    PyObject *as_int = stream == NULL || stream == Py_None || PyLong_Check(stream) ? Py_XNewRef(stream)
+                                                                                  : PyLong_FromLongLong(consumer);
+    if (as_int == NULL && stream != NULL && stream != Py_None)
+        return NULL;
+    PyObject *capsule = PyCapsule_CheckExact(obj) ? Py_NewRef(obj) : cdl_call_dlpack(obj, as_int);
+    Py_XDECREF(as_int);
     if (capsule == NULL)
         return NULL;
     cdl_managed managed;

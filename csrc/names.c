@@ -33,6 +33,7 @@ int cdl_names_init(void)
         {&cdl_name.export_stream, "export_stream"},
         {&cdl_name.dtype, "dtype"},
         {&cdl_name.name, "name"},
+        {&cdl_name.cuda_stream, "__cuda_stream__"},
     };
     for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++) {
         *table[i].slot = PyUnicode_InternFromString(table[i].text);

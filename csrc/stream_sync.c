@@ -45,6 +45,44 @@ void cdl_stream_options_init(void)
     cdl_option_export_stream = cdl_env_flag("CAI_DLPACK_EXPORT_STREAM", 1);
 }
 
+/* A consumer's stream object of the CUDA stream protocol (cuda.core, tvm-ffi, CuPy, ...):
+ * __cuda_stream__() -> (version, handle). A NULL handle is the default stream, which a library built
+ * without per-thread default streams (as CUDA's are by default) means as the legacy one. */
+static int cdl_parse_stream_object(PyObject *value, const char *what, int64_t *out)
+{
+    PyObject *method;
+    int found = cdl_lookup_attribute(value, cdl_name.cuda_stream, &method);
+    if (found <= 0) {
+        if (found == 0)
+            PyErr_Format(PyExc_TypeError,
+                         "%s must be None or an int, not %.200s (nor an object with __cuda_stream__)", what,
+                         Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    PyObject *pair = PyObject_CallNoArgs(method);
+    Py_DECREF(method);
+    if (pair == NULL)
+        return -1;
+    int status = -1;
+    unsigned long long handle = 0;
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyLong_Check(PyTuple_GET_ITEM(pair, 0)) ||
+        !PyLong_Check(PyTuple_GET_ITEM(pair, 1))) {
+        PyErr_Format(PyExc_TypeError, "%s: %.200s.__cuda_stream__() returned %R, not a (version, handle) pair of ints",
+                     what, Py_TYPE(value)->tp_name, pair);
+    }
+    else if ((handle = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(pair, 1))) == (unsigned long long)-1 &&
+             PyErr_Occurred()) {
+        PyErr_Format(PyExc_ValueError, "%s: %.200s.__cuda_stream__() returned %R, whose handle is not a pointer",
+                     what, Py_TYPE(value)->tp_name, pair);
+    }
+    else {
+        *out = handle == 0 ? CDL_STREAM_LEGACY : (int64_t)handle;
+        status = 0;
+    }
+    Py_DECREF(pair);
+    return status;
+}
+
 int cdl_parse_stream(PyObject *value, const char *what, int consumer, int64_t *out)
 {
     if (value == NULL || value == Py_None) {
@@ -53,6 +91,8 @@ int cdl_parse_stream(PyObject *value, const char *what, int consumer, int64_t *o
         return 0;
     }
     if (!PyLong_Check(value) || PyBool_Check(value)) {
+        if (consumer && !PyBool_Check(value))
+            return cdl_parse_stream_object(value, what, out);
         PyErr_Format(PyExc_TypeError, "%s must be None or an int, not %.200s", what, Py_TYPE(value)->tp_name);
         return -1;
     }

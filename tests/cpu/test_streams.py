@@ -1,5 +1,6 @@
 """Stream ordering through the CUDA runtime double: the exact runtime calls for every pair of producer
 and consumer streams, in both directions, and that the host is never made to wait."""
+import re
 import sys
 
 import numpy as np
@@ -225,3 +226,49 @@ def test_zero_size_array_orders_nothing(cudart, consumer):
                    for call in cudart.log())
     assert cudart.current_device == 1
     del capsule
+
+
+class StreamObject:
+    """A stream of the CUDA stream protocol (cuda.core, tvm-ffi): __cuda_stream__() -> (version, handle)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+@pytest.mark.parametrize("consumer", [1, 2, S2])
+def test_stream_objects_order_like_their_handles(cudart, device_array, consumer):
+    cai2dlpack(CaiArray(device_array, stream=S1), stream=consumer)
+    by_int = strip_event_ids(ordering_calls(cudart.log()))
+    cudart.clear_log()
+    cai2dlpack(CaiArray(device_array, stream=S1), stream=StreamObject(consumer))
+    assert strip_event_ids(ordering_calls(cudart.log())) == by_int == expected_calls(S1, consumer, 2, 0)
+    cudart.clear_log()
+    DLPackShim(CaiArray(device_array, stream=S1)).__dlpack__(stream=StreamObject(consumer))
+    assert strip_event_ids(ordering_calls(cudart.log())) == by_int
+
+
+def test_a_null_stream_object_is_the_legacy_stream_and_producers_get_an_int(cudart, device_array):
+    asked = []
+
+    class Producer:
+        def __dlpack__(self, stream=None, max_version=None):
+            asked.append(stream)
+            return cai2dlpack(CaiArray(device_array), max_version=(1, 0))
+
+    view = dlpack2cai(Producer(), stream=StreamObject(0))
+    assert asked == [1] and view.__cuda_array_interface__["stream"] == 1
+    dlpack2cai(Producer(), stream=StreamObject(S2))
+    assert asked == [1, S2]
+
+
+@pytest.mark.parametrize("stream,error,message", [
+    (object(), TypeError, "stream must be None or an int, not object (nor an object with __cuda_stream__)"),
+    (StreamObject("x"), TypeError, "__cuda_stream__() returned (0, 'x'), not a (version, handle) pair of ints"),
+    (StreamObject(-5), ValueError, "whose handle is not a pointer"),
+])
+def test_bad_stream_objects_are_refused_by_name(device_array, stream, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        cai2dlpack(CaiArray(device_array, stream=S1), stream=stream)
