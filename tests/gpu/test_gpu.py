@@ -11,6 +11,7 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 import cai_dlpack  # noqa: E402
 from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai  # noqa: E402
 from cai_dlpack._benchmark import SPIN_KERNEL  # noqa: E402
+from support.cai_objects import Wrapped  # noqa: E402
 
 DTYPES = ["?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"]
 TORCH_DTYPES = [d for d in DTYPES if d not in ("u2", "u4", "u8")]
@@ -28,16 +29,6 @@ def layouts(dtype):
     base = cupy_sample(dtype)
     return {"contiguous": base, "strided": base[1:5:2, ::3], "transposed": base.T, "zero_size": base[:0],
             "zero_d": base[2, 3]}
-
-
-class Wrapped:
-    """A CAI producer with a chosen stream, over any CuPy array."""
-
-    def __init__(self, array, stream):
-        self.array = array
-        iface = dict(array.__cuda_array_interface__)
-        iface["stream"] = stream
-        self.__cuda_array_interface__ = iface
 
 
 @pytest.mark.parametrize("dtype", TORCH_DTYPES)

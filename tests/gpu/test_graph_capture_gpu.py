@@ -14,22 +14,23 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 import cai_dlpack  # noqa: E402
 from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai  # noqa: E402
 from cai_dlpack._benchmark import SPIN_KERNEL  # noqa: E402
+from support.cai_objects import Wrapped  # noqa: E402
 
 N = 1 << 20
 SPIN_NS = 200_000_000  # the producer's work: long enough that a consumer not ordered after it reads too early
 
 
-class Wrapped:
-    """A CAI producer over a CuPy array, made ready on a chosen stream."""
-
-    def __init__(self, array, stream):
-        self.array = array
-        iface = dict(array.__cuda_array_interface__)
-        iface["stream"] = stream
-        self.__cuda_array_interface__ = iface
-
-
 @pytest.fixture
+
+def warm_up(step):
+    """Runs step once off the default stream, as torch asks before a capture, and waits for it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
 def spin():
     kernel = cupy.RawKernel(SPIN_KERNEL, "spin")
     kernel((1,), (1,), (np.int64(1),))  # loaded now: a module load during a capture or a spin would serialize
@@ -63,12 +64,7 @@ def test_torch_graph_takes_a_cupy_array_through_the_shim(spin, sync):
         t = torch.from_dlpack(DLPackShim(Wrapped(x, producer.ptr)))
         out.copy_(t * 2)
 
-    side = torch.cuda.Stream()  # warm-up off the default stream, as torch asks before a capture
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up(step)
     graph = torch.cuda.CUDAGraph()
     cai_dlpack.options(sync=sync)
     with torch.cuda.graph(graph):
@@ -117,12 +113,7 @@ def test_torch_graph_feeds_cupy_and_numba_kernels_through_dlpack2cai(spin):
         b = numba_cuda.as_cuda_array(tripled, sync=False)
         triple[N // 256, 256, numba_cuda.external_stream(stream)](a, b)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up(step)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()

@@ -25,3 +25,13 @@ def register(cudart, array, kind, device=0):
     owner = array.base if array.base is not None and isinstance(array.base, np.ndarray) else array
     start = owner.__array_interface__["data"][0]
     cudart.add_region(start, max(owner.nbytes, 1), kind, device)
+
+
+class Wrapped:
+    """A CAI producer with a chosen stream, over any array that speaks CAI (CuPy's, Numba's)."""
+
+    def __init__(self, array, stream):
+        self.array = array
+        iface = dict(array.__cuda_array_interface__)
+        iface["stream"] = stream
+        self.__cuda_array_interface__ = iface
