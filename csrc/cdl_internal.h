@@ -220,11 +220,6 @@ int cdl_parse_stream(PyObject *value, const char *what, int consumer, int64_t *o
  * naming the capture where no ordering keeps it whole (nothing is then called that would break it).
  * Returns 0, or -1 with an exception set; the caller's current device is unchanged either way. */
 int cdl_order_streams(const cdl_array *arr, int64_t consumer);
-/* Before asking a DLPack producer whose data is on device for data ready on consumer: 0, or -1 with
- * CudaError when consumer is the legacy default stream and a blocking stream of that device captures a
- * graph (the producer's ordering would invalidate the capture). Calls nothing for other streams, for
- * host memory, or with sync off. */
-int cdl_check_stream_request(DLDevice device, int64_t consumer);
 /* The stream a view exports in its CAI (0 for None): stream, or 0 while it is capturing a graph (or is the
  * legacy stream and a blocking stream of device captures), since CAI consumers synchronize the stream they
  * are given and a capture forbids that. One capture query; none for stream 0 or host memory. 0 or -1. */

@@ -366,14 +366,6 @@ static int cdl_is_cuda_memory(DLDeviceType device_type)
     return device_type == kDLCUDA || device_type == kDLCUDAHost || device_type == kDLCUDAManaged;
 }
 
-int cdl_check_stream_request(DLDevice device, int64_t consumer)
-{
-    if (!cdl_option_sync || consumer != CDL_STREAM_LEGACY || !cdl_is_cuda_memory(device.device_type))
-        return 0;
-    return cdl_check_legacy_stream(device.device_type, device.device_id,
-                                   "the producer would be asked to make its data ready on");
-}
-
 int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out)
 {
     *out = stream;
