@@ -112,6 +112,14 @@ static int cdl_row_of_dtype(DLDataType dtype)
     return -1;
 }
 
+/* UnsupportedArrayError for a typestr no row describes, listing what is supported. Returns -1. */
+static int cdl_raise_no_equivalent(PyObject *typestr, const char *where)
+{
+    PyErr_Format(cdl_UnsupportedError, "%s 'typestr' %R has no DLPack equivalent (supported: %s)", where, typestr,
+                 cdl_supported_text);
+    return -1;
+}
+
 /* A typestr's kind character and item size. Returns 0, or -1 with TypeError (not a str) or
  * UnsupportedArrayError (another byte order, or no type this table could hold) naming it. */
 static int cdl_split_typestr(PyObject *typestr, const char *where, char *kind, int *itemsize)
@@ -143,9 +151,7 @@ static int cdl_split_typestr(PyObject *typestr, const char *where, char *kind, i
     *kind = text[1];
     return 0;
 unsupported:
-    PyErr_Format(cdl_UnsupportedError, "%s 'typestr' %R has no DLPack equivalent (supported: %s)", where, typestr,
-                 cdl_supported_text);
-    return -1;
+    return cdl_raise_no_equivalent(typestr, where);
 }
 
 int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
@@ -156,9 +162,7 @@ int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
         return -1;
     if (cdl_dtype_from_kind(kind, itemsize, out) == 0)
         return 0;
-    PyErr_Format(cdl_UnsupportedError, "%s 'typestr' %R has no DLPack equivalent (supported: %s)", where, typestr,
-                 cdl_supported_text);
-    return -1;
+    return cdl_raise_no_equivalent(typestr, where);
 }
 
 /* The row whose name is the str name, or -1. */
@@ -227,9 +231,9 @@ int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj,
 {
     char kind;
     int itemsize;
+    if (cdl_split_typestr(typestr, where, &kind, &itemsize) < 0)
+        return -1;
     if (requested != NULL) {
-        if (cdl_split_typestr(typestr, where, &kind, &itemsize) < 0)
-            return -1;
         if (cdl_itemsize(*requested) != itemsize) {
             int row = cdl_row_of_dtype(*requested);
             PyErr_Format(PyExc_ValueError, "dtype=%s has %d-byte items but %s 'typestr' %R has %d-byte items",
@@ -239,14 +243,10 @@ int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj,
         *out = *requested;
         return 0;
     }
-    if (cdl_parse_typestr(typestr, where, out) == 0)
+    if (cdl_dtype_from_kind(kind, itemsize, out) == 0)
         return 0;
-    if (!PyErr_ExceptionMatches(cdl_UnsupportedError))
-        return -1;
     /* A type no typestr names: the descr's name (our views', NumPy's for a named field), else the dtype
      * name of a NumPy array (ml_dtypes arrays lose it in their descr: [("", "<V2")]). */
-    cdl_pending_error pending;
-    cdl_error_stash(&pending);
     PyObject *name = Py_XNewRef(cdl_name_in_descr(descr, typestr)), *dtype = NULL;
     if (name == NULL && obj != NULL && cdl_lookup_attribute(obj, cdl_name.dtype, &dtype) > 0)
         (void)cdl_lookup_attribute(dtype, cdl_name.name, &name);
@@ -254,16 +254,10 @@ int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj,
     Py_XDECREF(dtype);
     int row = name ? cdl_row_of_name(name) : -1;
     Py_XDECREF(name);
-    if (row >= 0 && cdl_split_typestr(typestr, where, &kind, &itemsize) == 0 &&
-        itemsize == cdl_dtype_table[row].itemsize) {
-        cdl_error_unstash(&pending);
-        PyErr_Clear();
-        cdl_dtype_of_row(row, out);
-        return 0;
-    }
-    PyErr_Clear();
-    cdl_error_unstash(&pending);
-    return -1;
+    if (row < 0 || itemsize != cdl_dtype_table[row].itemsize)
+        return cdl_raise_no_equivalent(typestr, where);
+    cdl_dtype_of_row(row, out);
+    return 0;
 }
 
 PyObject *cdl_descr_of_dtype(DLDataType dtype)
