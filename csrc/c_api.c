@@ -98,11 +98,14 @@ static int cdl_api_to_managed_tensor(PyObject *obj, int64_t consumer_stream, DLM
     if (cdl_check_consumer_stream(consumer_stream) < 0)
         return -1;
     PyObject *view = NULL;
-    if (!PyObject_TypeCheck(obj, &cdl_shim_type) && !PyObject_TypeCheck(obj, &cdl_view_type) &&
+    int taken = cdl_view_from_exchange_api(obj, consumer_stream, &view);
+    if (taken < 0)
+        return -1;
+    if (taken == 0 && !PyObject_TypeCheck(obj, &cdl_shim_type) && !PyObject_TypeCheck(obj, &cdl_view_type) &&
         PyObject_HasAttr(obj, cdl_name.dlpack)) {
         /* A DLPack producer orders its own work before the stream it is given. */
         PyObject *stream = cdl_stream_for_producer(obj, consumer_stream);
-        view = stream ? cdl_view_from_object(obj, stream) : NULL;
+        view = stream ? cdl_view_from_object(obj, stream, 0) : NULL;
         Py_XDECREF(stream);
         if (view == NULL) {
             /* A producer whose DLPack export cannot describe its data (NumPy's, for an ml_dtypes array) may
@@ -111,10 +114,9 @@ static int cdl_api_to_managed_tensor(PyObject *obj, int64_t consumer_stream, DLM
                 return -1;
             PyErr_Clear();
         }
-        else {
-            obj = view;
-        }
     }
+    if (view != NULL)
+        obj = view;
     cdl_array arr;
     PyObject *owner, *keepalive;
     int status = -1;
@@ -128,21 +130,46 @@ static int cdl_api_to_managed_tensor(PyObject *obj, int64_t consumer_stream, DLM
     return status;
 }
 
+/* fill_tensor through a producer's exchange table: its borrowed DLTensor, validated (its work is not
+ * ordered yet: *api is for that). Returns 1 with *arr and *api set, 0 when the table does not lend tensors,
+ * cdl_exchange_usable turns it down or the call raises (the caller reads obj's interface instead), or -1. */
+static int cdl_array_from_exchange_api(PyObject *obj, cdl_array *arr, const DLPackExchangeAPI **api)
+{
+    *api = cdl_producer_exchange_api(obj);
+    if (*api == NULL || (*api)->dltensor_from_py_object_no_sync == NULL)
+        return 0;
+    DLTensor tensor;
+    if ((*api)->dltensor_from_py_object_no_sync(obj, &tensor) != 0) {
+        PyErr_Clear(); /* the interface is read instead, and says why in its own words */
+        return 0;
+    }
+    int usable = cdl_exchange_usable(obj, tensor.dtype);
+    if (usable <= 0)
+        return usable;
+    return cdl_array_from_tensor(&tensor, 0, arr) < 0 ? -1 : 1;
+}
+
 static int cdl_api_fill_tensor(PyObject *obj, int64_t consumer_stream, DLTensor *out, int64_t *shape,
                                int64_t *strides, int capacity, int *read_only)
 {
     if (cdl_check_consumer_stream(consumer_stream) < 0)
         return -1;
     cdl_array arr;
-    PyObject *owner, *keepalive;
-    if (cdl_array_of(obj, &arr, &owner, &keepalive) < 0 || cdl_release_borrowed_buffer(owner, keepalive) < 0)
+    const DLPackExchangeAPI *api;
+    int taken = cdl_array_from_exchange_api(obj, &arr, &api);
+    if (taken < 0)
         return -1;
+    if (taken == 0) {
+        PyObject *owner, *keepalive;
+        if (cdl_array_of(obj, &arr, &owner, &keepalive) < 0 || cdl_release_borrowed_buffer(owner, keepalive) < 0)
+            return -1;
+    }
     if (arr.ndim > capacity) {
         PyErr_Format(PyExc_ValueError, "the array has %d dimensions but the caller's storage holds %d",
                      (int)arr.ndim, capacity);
         return -1;
     }
-    if (cdl_order_streams(&arr, consumer_stream) < 0)
+    if ((taken ? cdl_order_exchange_producer(api, obj, &arr, consumer_stream) : cdl_order_streams(&arr, consumer_stream)) < 0)
         return -1;
     memcpy(shape, arr.shape, (size_t)arr.ndim * sizeof(int64_t));
     memcpy(strides, arr.strides, (size_t)arr.ndim * sizeof(int64_t));

@@ -139,6 +139,8 @@ typedef struct {
     PyObject *shape, *typestr, *data, *strides, *version, *mask, *stream, *offset, *descr;
     PyObject *cuda_array_interface, *array_interface, *dlpack, *dlpack_device;
     PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream, *dtype, *name, *cuda_stream;
+    PyObject *exchange_api, *exchange_api_address; /* DLPack 1.3's capsule and 1.2's int on a type */
+    PyObject *requires_grad, *is_conj, *is_neg;     /* what torch's __dlpack__ checks and its table does not */
 } cdl_names;
 extern cdl_names cdl_name;
 /* cai_dlpack.UnsupportedArrayError (a BufferError and a ValueError): valid data that DLPack, or an array
@@ -261,11 +263,6 @@ static inline uint64_t cdl_managed_flags(cdl_managed managed)
     return managed.versioned ? ((DLManagedTensorVersioned *)managed.pointer)->flags : 0;
 }
 
-static inline int cdl_managed_read_only(cdl_managed managed)
-{
-    return (cdl_managed_flags(managed) & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
-}
-
 /* Runs the deleter of *managed (if any) once and clears the handle. The deleter may run Python code: an
  * exception already set survives it. */
 void cdl_managed_delete(cdl_managed *managed);
@@ -281,6 +278,8 @@ int cdl_managed_from_capsule(PyObject *capsule, cdl_managed *out);
  * device = device_id, no producer stream). Returns 0, or -1 with BufferError naming what an array
  * interface cannot describe; the tensor is not deleted either way. */
 int cdl_array_from_managed(cdl_managed managed, cdl_array *out);
+/* The same for a bare tensor with these DLPACK_FLAG_BITMASK_* flags (a borrowed DLTensor has none). */
+int cdl_array_from_tensor(const DLTensor *t, uint64_t flags, cdl_array *out);
 /* Device types an array interface can describe: host-accessible ones through __array_interface__,
  * device-accessible ones through __cuda_array_interface__. */
 static inline int cdl_host_accessible(DLDeviceType type)
@@ -313,8 +312,28 @@ PyObject *cdl_view_new(cdl_managed managed, int64_t stream);
 /* A view's tensor as a record (byte offset folded in, strides explicit), and the tensor itself. */
 void cdl_array_from_view(PyObject *view, cdl_array *arr);
 const DLTensor *cdl_view_tensor(PyObject *view);
-/* Consumes a capsule or calls obj.__dlpack__; returns a new view or NULL with an exception set. */
-PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream);
+/* dlpack2cai: a new view of obj, or NULL with an exception set. A capsule is consumed; an object whose type
+ * publishes a DLPack C exchange API table (not ours) is taken through it when exchange is set (see
+ * cdl_view_from_exchange_api); otherwise obj.__dlpack__(stream=..., max_version=...) is called. */
+PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream, int exchange);
+/* The DLPack C exchange API table obj's type publishes (1.3's capsule __dlpack_c_exchange_api__, else 1.2's
+ * int __c_dlpack_exchange_api__) in a major version this build reads, walking prev_api to one; NULL when
+ * there is none, it is ours (DLPackShim, DLPackView), or it lacks a function we call. Sets no exception. */
+const DLPackExchangeAPI *cdl_producer_exchange_api(PyObject *obj);
+/* Whether obj, whose table gave a tensor of dtype, may be taken that way: 1, or 0 where its __dlpack__ must
+ * decide (a torch tensor that requires grad or has its conjugate bit set, which __dlpack__ refuses and the
+ * table exports anyway); -1 with UnsupportedArrayError for a tensor whose negative bit is set (the memory holds the
+ * negation of its values; torch's __dlpack__ exports it as it is), or another exception. */
+int cdl_exchange_usable(PyObject *obj, DLDataType dtype);
+/* Orders the producer's current work stream on arr's device (api->current_work_stream; NULL is the legacy
+ * stream) before the consumer stream, as cdl_order_streams does (nothing for consumer -1 or host memory);
+ * sets arr->stream to it. Returns 0, or -1 with an exception set. */
+int cdl_order_exchange_producer(const DLPackExchangeAPI *api, PyObject *obj, cdl_array *arr, int64_t consumer);
+/* dlpack2cai through obj's exchange table: managed_tensor_from_py_object_no_sync, then the producer's
+ * work ordered before consumer by cdl_order_exchange_producer. Returns 1 with *view set, 0 when the caller
+ * should call __dlpack__ instead (no table, one cdl_exchange_usable turns down, or a table call that raised:
+ * __dlpack__ is the producer's reference path and says why in its own words), or -1 with an exception set. */
+int cdl_view_from_exchange_api(PyObject *obj, int64_t consumer, PyObject **view);
 
 /* shim.c: DLPackShim, the DLPack protocol for an interface object --------------------------------- */
 typedef struct {

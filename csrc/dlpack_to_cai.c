@@ -70,7 +70,28 @@ static int cdl_view_describe(cdl_view *view, const cdl_array *arr, int strides_g
     return view->data ? 0 : -1;
 }
 
-/* Takes ownership of managed: on failure its deleter has run. */
+/* A view owning managed, described by arr (what cdl_array_from_managed read from it). Takes ownership of
+ * managed: on failure its deleter has run. */
+static PyObject *cdl_view_from_record(cdl_managed managed, const cdl_array *arr, int64_t stream)
+{
+    cdl_view *view = PyObject_NewVar(cdl_view, &cdl_view_type, 2 * (Py_ssize_t)arr->ndim);
+    if (view == NULL) {
+        cdl_managed_delete(&managed);
+        return NULL;
+    }
+    view->managed = managed;
+    view->device = arr->device;
+    view->read_only = arr->read_only;
+    view->stream = stream == CDL_STREAM_NO_SYNC ? 0 : stream;
+    view->shape = view->strides = view->typestr = view->data = NULL;
+    view->weakreflist = NULL;
+    if (cdl_view_describe(view, arr, cdl_managed_tensor(managed)->strides != NULL) < 0) {
+        Py_DECREF(view); /* dealloc runs the deleter */
+        return NULL;
+    }
+    return (PyObject *)view;
+}
+
 PyObject *cdl_view_new(cdl_managed managed, int64_t stream)
 {
     cdl_array arr;
@@ -78,22 +99,112 @@ PyObject *cdl_view_new(cdl_managed managed, int64_t stream)
         cdl_managed_delete(&managed);
         return NULL;
     }
-    cdl_view *view = PyObject_NewVar(cdl_view, &cdl_view_type, 2 * (Py_ssize_t)arr.ndim);
-    if (view == NULL) {
+    return cdl_view_from_record(managed, &arr, stream);
+}
+
+/* ---- producers' DLPack C exchange API ------------------------------------------------------------- */
+
+const DLPackExchangeAPI *cdl_producer_exchange_api(PyObject *obj)
+{
+    if (PyObject_TypeCheck(obj, &cdl_view_type) || PyObject_TypeCheck(obj, &cdl_shim_type))
+        return NULL; /* ours: their __dlpack__ orders the consumer's stream directly */
+    PyTypeObject *type = Py_TYPE(obj);
+    const DLPackExchangeAPIHeader *header = NULL;
+    PyObject *published = _PyType_Lookup(type, cdl_name.exchange_api);
+    if (published != NULL) {
+        if (PyCapsule_IsValid(published, "dlpack_exchange_api"))
+            header = PyCapsule_GetPointer(published, "dlpack_exchange_api");
+    }
+    else if ((published = _PyType_Lookup(type, cdl_name.exchange_api_address)) != NULL && PyLong_CheckExact(published)) {
+        header = PyLong_AsVoidPtr(published);
+        if (header == NULL)
+            PyErr_Clear(); /* not an address: the table is unusable, __dlpack__ is asked */
+    }
+    /* A table of a newer major version may chain to an older one this build reads. */
+    while (header != NULL && header->version.major != DLPACK_MAJOR_VERSION)
+        header = header->prev_api;
+    const DLPackExchangeAPI *api = (const DLPackExchangeAPI *)header;
+    if (api == NULL || api->managed_tensor_from_py_object_no_sync == NULL || api->current_work_stream == NULL)
+        return NULL;
+    return api;
+}
+
+/* The truth of obj.<name> (a method is called), 0 when obj's type has no such attribute, or -1. */
+static int cdl_flag_of(PyObject *obj, PyObject *name)
+{
+    PyObject *attribute = _PyType_Lookup(Py_TYPE(obj), name);
+    if (attribute == NULL)
+        return 0;
+    PyObject *value = PyCallable_Check(attribute) ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+int cdl_exchange_usable(PyObject *obj, DLDataType dtype)
+{
+    int flag = cdl_flag_of(obj, cdl_name.is_neg);
+    if (flag > 0)
+        PyErr_Format(cdl_UnsupportedError,
+                     "the %.200s has its negative bit set (a lazy negation): its memory holds the negation of its "
+                     "values, which DLPack would hand on as they are; call .resolve_neg() first",
+                     Py_TYPE(obj)->tp_name);
+    if (flag != 0)
+        return -1;
+    /* Only a complex tensor can be a lazy conjugate: one call fewer for every other. */
+    if ((flag = cdl_flag_of(obj, cdl_name.requires_grad)) == 0 && dtype.code == kDLComplex)
+        flag = cdl_flag_of(obj, cdl_name.is_conj);
+    return flag < 0 ? -1 : !flag;
+}
+
+/* A table call that returned failure: its exception, or one saying the producer set none. Returns -1. */
+static int cdl_exchange_call_failed(PyObject *obj, const char *call)
+{
+    if (!PyErr_Occurred())
+        PyErr_Format(PyExc_RuntimeError, "%.200s's DLPack exchange API %s failed without setting an exception",
+                     Py_TYPE(obj)->tp_name, call);
+    return -1;
+}
+
+int cdl_order_exchange_producer(const DLPackExchangeAPI *api, PyObject *obj, cdl_array *arr, int64_t consumer)
+{
+    if (consumer == CDL_STREAM_NO_SYNC || !cdl_device_accessible(arr->device.device_type))
+        return 0;
+    void *stream = NULL;
+    if (api->current_work_stream(arr->device.device_type, arr->device.device_id, &stream) != 0)
+        return cdl_exchange_call_failed(obj, "current_work_stream");
+    /* NULL is the default stream, which a DLPack producer means as the legacy one (the array API's 1). */
+    arr->stream = stream == NULL ? CDL_STREAM_LEGACY : (int64_t)(uintptr_t)stream;
+    return cdl_order_streams(arr, consumer);
+}
+
+int cdl_view_from_exchange_api(PyObject *obj, int64_t consumer, PyObject **view)
+{
+    *view = NULL;
+    const DLPackExchangeAPI *api = cdl_producer_exchange_api(obj);
+    if (api == NULL)
+        return 0;
+    DLManagedTensorVersioned *tensor = NULL;
+    if (api->managed_tensor_from_py_object_no_sync(obj, &tensor) != 0 || tensor == NULL) {
+        /* torch raises RuntimeError with a C++ backtrace where its __dlpack__ raises a clean BufferError. */
+        PyErr_Clear();
+        return 0;
+    }
+    cdl_managed managed = cdl_managed_versioned(tensor);
+    int usable = cdl_exchange_usable(obj, tensor->dl_tensor.dtype);
+    if (usable <= 0) {
         cdl_managed_delete(&managed);
-        return NULL;
+        return usable;
     }
-    view->managed = managed;
-    view->device = arr.device;
-    view->read_only = arr.read_only;
-    view->stream = stream == CDL_STREAM_NO_SYNC ? 0 : stream;
-    view->shape = view->strides = view->typestr = view->data = NULL;
-    view->weakreflist = NULL;
-    if (cdl_view_describe(view, &arr, cdl_managed_tensor(managed)->strides != NULL) < 0) {
-        Py_DECREF(view); /* dealloc runs the deleter */
-        return NULL;
+    cdl_array arr;
+    if (cdl_array_from_managed(managed, &arr) < 0 || cdl_order_exchange_producer(api, obj, &arr, consumer) < 0) {
+        cdl_managed_delete(&managed);
+        return -1;
     }
-    return (PyObject *)view;
+    *view = cdl_view_from_record(managed, &arr, consumer);
+    return *view ? 1 : -1;
 }
 
 /* Calls obj.__dlpack__(stream=..., max_version=ours), then without max_version if that raises
@@ -124,11 +235,14 @@ static PyObject *cdl_call_dlpack(PyObject *obj, PyObject *stream)
     return capsule;
 }
 
-PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream)
+PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream, int exchange)
 {
     int64_t consumer;
     if (cdl_parse_stream(stream, "stream", 1, &consumer) < 0)
         return NULL;
+    PyObject *view;
+    if (exchange && !PyCapsule_CheckExact(obj) && cdl_view_from_exchange_api(obj, consumer, &view) != 0)
+        return view;
     /* A producer is asked with the array API's int, also for a stream object the caller gave. */
     PyObject *as_int = stream == NULL || stream == Py_None || PyLong_Check(stream) ? Py_XNewRef(stream)
                                                                                   : PyLong_FromLongLong(consumer);

@@ -178,7 +178,11 @@ int cdl_array_from_managed(cdl_managed managed, cdl_array *out)
             return -1;
         }
     }
-    const DLTensor *t = cdl_managed_tensor(managed);
+    return cdl_array_from_tensor(cdl_managed_tensor(managed), cdl_managed_flags(managed), out);
+}
+
+int cdl_array_from_tensor(const DLTensor *t, uint64_t flags, cdl_array *out)
+{
     DLDeviceType type = t->device.device_type;
     if (!cdl_host_accessible(type) && !cdl_device_accessible(type)) {
         PyErr_Format(PyExc_BufferError,
@@ -246,7 +250,7 @@ int cdl_array_from_managed(cdl_managed managed, cdl_array *out)
     out->data = (void *)address;
     out->device = t->device;
     out->home_device = t->device.device_id; /* a producer's pinned or managed tensor says 0: no better guess */
-    out->read_only = cdl_managed_read_only(managed);
+    out->read_only = (flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
     out->stream = 0;
     return 0;
 }

@@ -40,7 +40,7 @@ static PyObject *cdl_dlpack2cai(PyObject *module, PyObject *const *args, Py_ssiz
     PyObject *values[] = {NULL};
     if (cdl_parse_keywords("dlpack2cai", args, nargs, kwnames, 1, names, values, 1) < 0)
         return NULL;
-    return cdl_view_from_object(args[0], values[0]);
+    return cdl_view_from_object(args[0], values[0], 1);
 }
 
 static PyMethodDef cdl_module_methods[] = {

@@ -34,6 +34,11 @@ int cdl_names_init(void)
         {&cdl_name.dtype, "dtype"},
         {&cdl_name.name, "name"},
         {&cdl_name.cuda_stream, "__cuda_stream__"},
+        {&cdl_name.exchange_api, "__dlpack_c_exchange_api__"},
+        {&cdl_name.exchange_api_address, "__c_dlpack_exchange_api__"},
+        {&cdl_name.requires_grad, "requires_grad"},
+        {&cdl_name.is_conj, "is_conj"},
+        {&cdl_name.is_neg, "is_neg"},
     };
     for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++) {
         *table[i].slot = PyUnicode_InternFromString(table[i].text);
