@@ -1,0 +1,252 @@
+"""dlpack2cai and the C API as consumers of a producer's DLPack C exchange API: the tensor comes from the
+table of the object's type instead of __dlpack__, and the producer's current work stream is ordered before
+the consumer's by us. Driven through torch.Tensor's own table and through tests/exchange_producer, a
+producer whose table the tests control."""
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from cai_dlpack import DLPackShim, UnsupportedArrayError, dlpack2cai, options
+from support import c_example
+from support.cai_objects import register
+from support.cuda_double import DEVICE
+
+KDLCPU, KDLCUDA = 1, 2
+S1, S2 = 0x5000, 0x6000
+
+
+@pytest.fixture(scope="module")
+def producer():
+    return c_example.build_producer()
+
+
+@pytest.fixture(scope="module")
+def example():
+    return c_example.build()
+
+
+@pytest.fixture(autouse=True)
+def fresh(request):
+    if "producer" in request.fixturenames:
+        request.getfixturevalue("producer").configure()
+    yield
+
+
+def address(view):
+    return view.__array_interface__["data"][0]
+
+
+def ordering(cudart):
+    """(streams recorded on, streams made to wait) in the double's log."""
+    log = cudart.log()
+    records = [int(line.rsplit(", ", 1)[1].rstrip(")"), 0) for line in log if line.startswith("cudaEventRecord")]
+    waits = [int(line.split("(", 1)[1].split(",")[0], 0) for line in log if line.startswith("cudaStreamWaitEvent")]
+    return records, waits
+
+
+# ---- which path is taken ---------------------------------------------------------------------------------
+
+class SpyTensor(torch.Tensor):
+    """A torch.Tensor whose __dlpack__ must not be called: only the table can give its tensor."""
+
+    def __dlpack__(self, *args, **kwargs):
+        raise AssertionError("__dlpack__ was called although the type publishes an exchange table")
+
+
+def test_a_torch_tensor_is_taken_through_its_table(example):
+    t = torch.arange(12.0).reshape(3, 4)[:, 1:]
+    spy = t.as_subclass(SpyTensor)
+    view = dlpack2cai(spy)
+    assert address(view) == t.data_ptr() and view.strides == (16, 4)
+    np.testing.assert_array_equal(np.asarray(view), t.numpy())
+    assert example.managed(spy, -1)["data"] == t.data_ptr()
+    fields = example.fill(spy, -1)
+    assert (fields["data"], fields["shape"], fields["strides"]) == (t.data_ptr(), (3, 3), (4, 1))
+
+
+@pytest.mark.parametrize("kind", ["Tensor", "AddressTensor", "ChainedTensor"])
+def test_every_readable_table_is_taken(producer, kind):
+    x = np.arange(6.0).reshape(2, 3)
+    view = dlpack2cai(getattr(producer, kind)(x))
+    counts = producer.counts()
+    assert (counts["from_object"], counts["dlpack"]) == (1, 0)
+    assert address(view) == x.__array_interface__["data"][0]
+    np.testing.assert_array_equal(np.asarray(view), x)
+    del view
+    assert producer.counts()["deleter"] == 1
+
+
+@pytest.mark.parametrize("kind", ["PlainTensor", "FutureTensor"])
+def test_no_table_or_an_unreadable_one_goes_through_dlpack(producer, kind):
+    x = np.arange(4.0)
+    np.testing.assert_array_equal(np.asarray(dlpack2cai(getattr(producer, kind)(x))), x)
+    counts = producer.counts()
+    assert (counts["from_object"], counts["dlpack"]) == (0, 1)
+
+
+def test_our_own_types_keep_their_dlpack(producer):
+    """A shim's __dlpack__ orders its CAI stream before the consumer's directly: its table is not used."""
+    class CountingShim(DLPackShim):
+        calls = 0
+
+        def __dlpack__(self, **kwargs):
+            CountingShim.calls += 1
+            return super().__dlpack__(**kwargs)
+
+    x = np.arange(3.0)
+    np.testing.assert_array_equal(np.asarray(dlpack2cai(CountingShim(x))), x)
+    assert CountingShim.calls == 1
+
+
+@pytest.mark.parametrize("failure", [1, 2, 3], ids=["BufferError", "RuntimeError", "no-exception"])
+def test_a_failing_table_falls_back_to_dlpack(producer, failure):
+    x = np.arange(5.0)
+    producer.configure(from_object_fails=failure)
+    np.testing.assert_array_equal(np.asarray(dlpack2cai(producer.Tensor(x))), x)
+    counts = producer.counts()
+    assert (counts["from_object"], counts["dlpack"]) == (1, 1)
+    producer.configure(from_object_fails=failure, dlpack_refuses=True)
+    with pytest.raises(BufferError, match="refuses in its own words"):
+        dlpack2cai(producer.Tensor(x))
+
+
+def test_the_c_api_falls_back_the_same_way(producer, example):
+    x = np.arange(5.0)
+    producer.configure(from_object_fails=2)
+    assert example.managed(producer.Tensor(x), -1)["shape"] == (5,)
+    assert producer.counts()["dlpack"] == 1
+    producer.configure()
+    assert example.fill(producer.Tensor(x), -1)["shape"] == (5,)
+    counts = producer.counts()
+    assert (counts["dltensor"], counts["from_object"], counts["dlpack"]) == (1, 0, 0)
+    # Without the borrowed call, or when it fails, fill_tensor reads an array interface, which this has not.
+    for tensor, fails in ((producer.NoDLTensorTensor(x), 0), (producer.Tensor(x), 1)):
+        producer.configure(from_object_fails=fails)
+        with pytest.raises(TypeError, match="interface"):
+            example.fill(tensor, -1)
+
+
+# ---- what __dlpack__ refuses and a table exports anyway ---------------------------------------------------
+
+def test_torch_refusals_keep_torch_words():
+    c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    cases = [(c.conj(), "conjugate bit"), (torch.ones(2, requires_grad=True), "require gradient"),
+             (torch.eye(2).to_sparse(), "layout"), (torch.empty(2, device="meta"), "meta")]
+    for tensor, words in cases:
+        with pytest.raises(BufferError, match=words) as raised:
+            dlpack2cai(tensor)
+        assert "Exception raised from" not in str(raised.value)  # not the table's C++ backtrace
+    np.testing.assert_array_equal(np.asarray(dlpack2cai(c.conj().resolve_conj())), [1 - 2j, 3 + 4j])
+
+
+def test_a_negative_bit_is_refused_not_handed_on_wrong(example):
+    c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    negated = c.conj().imag  # [-2, 4], stored as [2, -4] with torch's negative bit
+    assert negated.is_neg()
+    for convert in (dlpack2cai, lambda t: example.managed(t, -1), lambda t: example.fill(t, -1)):
+        with pytest.raises(UnsupportedArrayError, match="negative bit"):
+            convert(negated)
+    np.testing.assert_array_equal(np.asarray(dlpack2cai(negated.resolve_neg())), [-2, 4])
+
+
+def test_the_checks_are_asked_of_any_producer_that_has_them(producer):
+    x = np.arange(4.0)
+    asked = []
+
+    class Negated(producer.Tensor):
+        def is_neg(self):
+            asked.append("is_neg")
+            return True
+
+    with pytest.raises(UnsupportedArrayError, match="Negated has its negative bit set"):
+        dlpack2cai(Negated(x))
+    assert asked == ["is_neg"]
+    gc.collect()
+    assert producer.counts()["deleter"] == 1  # the table's tensor was let go
+
+    class Tracked(producer.Tensor):
+        requires_grad = True
+
+    producer.configure()
+    dlpack2cai(Tracked(x))
+    assert (producer.counts()["from_object"], producer.counts()["dlpack"]) == (1, 1)
+
+    class Conjugated(producer.Tensor):
+        def is_conj(self):
+            asked.append("is_conj")
+            return True
+
+    asked.clear()
+    producer.configure()
+    dlpack2cai(Conjugated(x))  # a real type cannot be a lazy conjugate: not asked, the table is used
+    assert asked == [] and producer.counts()["dlpack"] == 0
+    dlpack2cai(Conjugated(x.astype(np.complex128)))
+    assert asked == ["is_conj"] and producer.counts()["dlpack"] == 1
+
+
+# ---- ordering the producer's work stream ----------------------------------------------------------------
+
+def device_tensor(producer, cudart, device=1):
+    x = np.zeros(8, dtype=np.float32)
+    register(cudart, x, DEVICE, device=device)
+    return producer.Tensor(x, KDLCUDA, device)
+
+
+def test_the_work_stream_is_ordered_before_the_consumers(producer, cudart):
+    tensor = device_tensor(producer, cudart)
+    producer.configure(work_stream=S1)
+    view = dlpack2cai(tensor, stream=S2)
+    assert producer.counts()["work_stream_device"] == (KDLCUDA, 1)
+    assert ordering(cudart) == ([S1], [S2])
+    assert view.__cuda_array_interface__["stream"] == S2  # what the view exports is unchanged
+
+
+def test_a_default_work_stream_is_the_legacy_stream(producer, cudart):
+    tensor = device_tensor(producer, cudart)
+    dlpack2cai(tensor)  # producer NULL, consumer None: both the legacy stream
+    assert producer.counts()["work_stream"] == 1 and ordering(cudart) == ([], [])
+    dlpack2cai(tensor, stream=S2)
+    assert ordering(cudart) == ([1], [S2])
+
+
+@pytest.mark.parametrize("case", ["no-sync", "same-stream", "host", "sync-off"])
+def test_nothing_to_order(producer, cudart, case):
+    tensor = device_tensor(producer, cudart)
+    producer.configure(work_stream=S1)
+    if case == "host":
+        tensor = producer.Tensor(np.zeros(3))
+    before = options()
+    try:
+        if case == "sync-off":
+            options(sync=False)
+        dlpack2cai(tensor, stream={"no-sync": -1, "same-stream": S1}.get(case, S2))
+    finally:
+        options(**before)
+    assert ordering(cudart) == ([], [])
+    assert producer.counts()["work_stream"] == (1 if case in ("same-stream", "sync-off") else 0)
+
+
+def test_a_failing_work_stream_raises_and_lets_the_tensor_go(producer, cudart, example):
+    tensor = device_tensor(producer, cudart)
+    producer.configure(work_stream_fails=True)
+    for convert in (lambda: dlpack2cai(tensor, stream=S2), lambda: example.managed(tensor, S2),
+                    lambda: example.fill(tensor, S2)):
+        with pytest.raises(RuntimeError, match="no work stream"):
+            convert()
+    gc.collect()
+    counts = producer.counts()
+    assert counts["deleter"] == counts["from_object"] == 2 and counts["dlpack"] == 0
+    assert ordering(cudart) == ([], [])
+
+
+def test_the_c_api_orders_the_work_stream_too(producer, cudart, example):
+    tensor = device_tensor(producer, cudart)
+    producer.configure(work_stream=S1)
+    assert example.fill(tensor, S2)["device"] == (KDLCUDA, 1)
+    assert ordering(cudart) == ([S1], [S2])
+    cudart.clear_log()
+    assert example.managed(tensor, S2)["device"] == (KDLCUDA, 1)
+    assert ordering(cudart) == ([S1], [S2])
+    assert producer.counts()["dlpack"] == 0
