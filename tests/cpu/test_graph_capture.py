@@ -506,15 +506,20 @@ def test_exchange_allocator_in_every_capture_mode(cudart, example, mode, other_t
     assert cudart.end_capture(capture) and cudart.end_capture(bystander) and cudart.violations == 0
 
 
-def test_the_double_refuses_an_allocation_the_capture_forbids(cudart, example):
-    """The allocator's calls are what keeps the captures above whole: the same allocation made by the runtime in
-    this thread's global mode is refused (900) and invalidates this thread's capture."""
+def test_the_double_judges_an_allocation_by_the_threads_mode(cudart):
+    """The double as the runtime header describes the modes: during this thread's own global capture, cudaMalloc
+    from this thread in global mode is refused (900) and invalidates the capture; in relaxed mode it is made."""
     lib = cudart.lib
-    capture = cudart.begin_capture(C_HANDLE, 0, GLOBAL)
     pointer = ctypes.c_void_p()
+    capture = cudart.begin_capture(C_HANDLE, 0, GLOBAL)
     assert lib.cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(16)) == 900
     assert not cudart.end_capture(capture) and cudart.violations == 1
     lib.cudaGetLastError()
+    capture = cudart.begin_capture(C_HANDLE, 0, GLOBAL)
+    cudart.thread_capture_mode = RELAXED
+    assert lib.cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(16)) == 0 and lib.cudaFree(pointer) == 0
+    cudart.thread_capture_mode = GLOBAL
+    assert cudart.end_capture(capture) and cudart.violations == 1
 
 
 def test_exchange_allocator_frees_on_another_thread_during_a_capture(cudart, example):
