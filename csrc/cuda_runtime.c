@@ -40,6 +40,8 @@ static const char *cdl_resolve_symbols(void *handle, cdl_cudart *table)
     CDL_RESOLVE(free_host, "cudaFreeHost");
     CDL_RESOLVE(malloc_managed, "cudaMallocManaged");
 #undef CDL_RESOLVE
+    /* Optional: without it the allocator's calls are made in the thread's own capture mode. */
+    *(void **)(&table->thread_exchange_stream_capture_mode) = dlsym(handle, "cudaThreadExchangeStreamCaptureMode");
     return NULL;
 }
 

@@ -32,6 +32,8 @@ typedef struct cdl_cudart {
     cudaError_t (*malloc_host)(void **, size_t);
     cudaError_t (*free_host)(void *);
     cudaError_t (*malloc_managed)(void **, size_t, unsigned int);
+    /* Swaps the calling thread's capture-interaction mode (CUDA 10.1); NULL where the runtime lacks it. */
+    cudaError_t (*thread_exchange_stream_capture_mode)(enum cudaStreamCaptureMode *);
     /* The driver's, handed out by cudaGetDriverEntryPoint[ByVersion] (no libcuda of our own); NULL
      * where the driver cannot. A context is made current by pushing it and put back by popping it,
      * so the runtime's own device setting is never touched. */

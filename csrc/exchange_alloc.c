@@ -1,5 +1,6 @@
 /* Tensors the DLPack exchange API's managed_tensor_allocator makes for a consumer: host memory, or
- * device, pinned and managed memory from the CUDA runtime, in the right context. No Python here. */
+ * device, pinned and managed memory from the CUDA runtime, in the right context and without breaking a
+ * graph capture. No Python here. */
 #include "cdl_internal.h"
 #include "cuda_runtime_table.h"
 
@@ -14,31 +15,65 @@ typedef struct {
     int64_t dims[];
 } cdl_made_tensor;
 
+/* cudaMalloc, cudaFree and their pinned and managed kinds are "potentially unsafe" during a graph capture: a
+ * thread in global mode (every thread's default) may not make them while it captures in global or thread-local
+ * mode, nor while any thread captures in global mode (PyTorch's default); the runtime refuses the call and
+ * invalidates that capture. A thread in relaxed mode is not prohibited from them, and none of them is a node of
+ * a capture: the memory is made or freed at once, which is what the allocator's caller asks for. So each runs
+ * with the calling thread switched to relaxed and its own mode put back after (the push-pop use of
+ * cudaThreadExchangeStreamCaptureMode); without that call, in the thread's own mode as before. */
+typedef struct {
+    int switched;                           /* the thread is in relaxed mode until cdl_capture_mode_leave */
+    enum cudaStreamCaptureMode previous;    /* the mode it is put back in */
+} cdl_capture_mode_scope;
+
+static void cdl_capture_mode_relax(const cdl_cudart *rt, cdl_capture_mode_scope *scope)
+{
+    scope->switched = 0;
+    scope->previous = cudaStreamCaptureModeRelaxed;
+    if (rt->thread_exchange_stream_capture_mode == NULL)
+        return;
+    if (rt->thread_exchange_stream_capture_mode(&scope->previous) == cudaSuccess)
+        scope->switched = 1;
+    else
+        (void)rt->get_last_error(); /* the call goes ahead in the thread's own mode */
+}
+
+static void cdl_capture_mode_leave(const cdl_cudart *rt, cdl_capture_mode_scope *scope)
+{
+    if (scope->switched && rt->thread_exchange_stream_capture_mode(&scope->previous) != cudaSuccess)
+        (void)rt->get_last_error();
+    scope->switched = 0;
+}
+
 static void cdl_free_made_tensor(DLManagedTensorVersioned *self)
 {
     cdl_made_tensor *made = self->manager_ctx;
+    DLDeviceType type = self->dl_tensor.device.device_type;
     const cdl_cudart *rt = cdl_cudart_loaded();
-    switch (self->dl_tensor.device.device_type) {
-    case kDLCPU:
+    if (type == kDLCPU) {
         free(self->dl_tensor.data);
-        break;
-    case kDLCUDAHost:
-        if (rt && rt->free_host(self->dl_tensor.data) != cudaSuccess)
-            (void)rt->get_last_error();
-        break;
-    default:
-        if (rt) {
+    }
+    else if (rt != NULL) {
+        /* A deleter may run during a capture (a consumer dropping its output), on any thread. */
+        cdl_capture_mode_scope relaxed;
+        cdl_capture_mode_relax(rt, &relaxed);
+        if (type == kDLCUDAHost) {
+            if (rt->free_host(self->dl_tensor.data) != cudaSuccess)
+                (void)rt->get_last_error();
+        }
+        else {
             /* Device memory is freed in its device's context: on a thread with none, the runtime would
              * otherwise bind (and make) its own device's primary context just for the free. */
             cdl_device_scope scope;
-            int device_memory = self->dl_tensor.device.device_type == kDLCUDA;
+            int device_memory = type == kDLCUDA;
             int entered = device_memory ? cdl_device_enter(rt, self->dl_tensor.device.device_id, &scope) : 0;
             if (rt->free(self->dl_tensor.data) != cudaSuccess)
                 (void)rt->get_last_error();
             if (device_memory && entered == 0)
                 (void)cdl_device_leave(rt, &scope);
         }
-        break;
+        cdl_capture_mode_leave(rt, &relaxed);
     }
     free(made);
 }
@@ -77,6 +112,9 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
         /* Device memory is made in its device's context; pinned and managed memory, which any device
          * may use, in the caller's (entering device 0's would make a context there). */
         cdl_device_scope scope = {0};
+        cdl_capture_mode_scope relaxed = {0};
+        if (rt != NULL)
+            cdl_capture_mode_relax(rt, &relaxed);
         int status = rt == NULL ? -1 : type == kDLCUDA ? cdl_device_enter(rt, prototype->device.device_id, &scope) : 0;
         const char *failed = scope.failed_call;
         int in_driver = scope.failed_in_driver;
@@ -103,6 +141,8 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
                 (void)rt->get_last_error();
             data = NULL;
         }
+        if (rt != NULL)
+            cdl_capture_mode_leave(rt, &relaxed);
     }
     else {
         snprintf(message, sizeof(message), "cai_dlpack allocator: device type %d is not supported", (int)type);

@@ -3,16 +3,22 @@ stream x consumer stream, each capturing or not, in one capture or two, the lega
 every door, in every capture mode. The capture is never invalidated (the double counts each call CUDA would
 refuse), the host never blocks, and where no ordering keeps the capture whole and the replay right, the
 conversion raises CudaError naming the capture and the error CUDA would have given, having called nothing."""
+import ctypes
 import itertools
+import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 
 from cai_dlpack import CudaError, DLPackShim, DLPackView, cai2dlpack, dlpack2cai
-from support import c_example
+from support import c_example, cuda_double
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL, MANAGED, RELAXED, THREAD_LOCAL
+from support.dlpack_ctypes import DLManagedTensorVersioned, _api
 
 LEGACY, PER_THREAD = 1, 2
 P_HANDLE, C_HANDLE, BYSTANDER = 0x5000, 0x6000, 0x7000
@@ -452,13 +458,138 @@ def test_a_view_exports_no_stream_while_it_captures(cudart, data, stream, blocki
     assert view.__cuda_array_interface__["stream"] == stream
 
 
-@pytest.mark.xfail(strict=True, reason="the exchange allocator's cudaMalloc is an unsafe call during a global-mode "
-                                       "capture (exchange_alloc.c): for the lead to decide (refuse, or relaxed mode)")
-def test_exchange_allocator_leaves_a_global_capture_whole(cudart, example):
+# ---- the exchange API's allocator: its allocations and frees in relaxed mode ------------------------------
+
+EXCHANGE = "cudaThreadExchangeStreamCaptureMode"
+MADE_BY = {2: "cudaMalloc", 3: "cudaMallocHost", 13: "cudaMallocManaged"}
+FREED_BY = {2: "cudaFree", 3: "cudaFreeHost", 13: "cudaFree"}
+
+
+def exchanges(mode, was):
+    """The log lines of one switch to relaxed mode and back, from mode (as the double writes them)."""
+    return [f"{EXCHANGE}({RELAXED}) -> 0, was {mode}", f"{EXCHANGE}({mode}) -> 0, was {RELAXED}"] if was else []
+
+
+def allocator_calls(cudart, device_type):
+    wanted = (EXCHANGE, MADE_BY[device_type] + "(", FREED_BY[device_type] + "(")
+    return [line for line in cudart.log() if line.startswith(wanted)]
+
+
+@pytest.mark.parametrize("device_type", [2, 3, 13])
+def test_exchange_allocator_leaves_a_global_capture_whole(cudart, example, device_type):
+    """While another thread captures in global mode (PyTorch's default), an allocation or free from a thread in
+    global mode would invalidate that capture: the allocator and its deleter switch this thread to relaxed mode
+    around each, and put its mode back."""
     capture = cudart.begin_capture(BYSTANDER, 0, GLOBAL, other_thread=True)
-    try:
-        example.exchange_allocate(DLPackView, (2, 32), (4,), (2, 0))
-    except RuntimeError:
-        pass  # a clear refusal is fine; breaking the capture is not
-    finally:
-        assert cudart.end_capture(capture) and cudart.violations == 0
+    view = example.exchange_allocate(DLPackView, (2, 32), (4,), (device_type, 0))
+    assert view.device == (device_type, 0)
+    del view  # the deleter frees it during the capture
+    assert cudart.end_capture(capture) and cudart.violations == 0
+    made, freed = MADE_BY[device_type], FREED_BY[device_type]
+    to_relaxed, back = exchanges(GLOBAL, True)
+    assert allocator_calls(cudart, device_type) == [
+        to_relaxed, f"{made}(16) -> ok", back, to_relaxed, f"{freed}()", back]
+    assert cudart.thread_capture_mode == GLOBAL
+
+
+@pytest.mark.parametrize("mode,other_thread", [(GLOBAL, False), (THREAD_LOCAL, False), (THREAD_LOCAL, True),
+                                               (RELAXED, False), (RELAXED, True)])
+def test_exchange_allocator_in_every_capture_mode(cudart, example, mode, other_thread):
+    """Relaxed mode lifts the prohibition for this thread's own capture too: a consumer allocating its output
+    while it captures gets memory made at once (cudaMalloc is no node of a graph), as PyTorch's caching allocator
+    does inside its captures; that capture and any other stay whole."""
+    capture = cudart.begin_capture(C_HANDLE, 0, mode, other_thread=other_thread)
+    bystander = cudart.begin_capture(BYSTANDER, 0, GLOBAL, other_thread=True)
+    for device_type in (2, 3, 13):
+        view = example.exchange_allocate(DLPackView, (2, 32), (4,), (device_type, 0))
+        del view
+    assert cudart.end_capture(capture) and cudart.end_capture(bystander) and cudart.violations == 0
+
+
+def test_the_double_judges_an_allocation_by_the_threads_mode(cudart):
+    """The double as the runtime header describes the modes: during this thread's own global capture, cudaMalloc
+    from this thread in global mode is refused (900) and invalidates the capture; in relaxed mode it is made."""
+    lib = cudart.lib
+    pointer = ctypes.c_void_p()
+    capture = cudart.begin_capture(C_HANDLE, 0, GLOBAL)
+    assert lib.cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(16)) == 900
+    assert not cudart.end_capture(capture) and cudart.violations == 1
+    lib.cudaGetLastError()
+    capture = cudart.begin_capture(C_HANDLE, 0, GLOBAL)
+    cudart.thread_capture_mode = RELAXED
+    assert lib.cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(16)) == 0 and lib.cudaFree(pointer) == 0
+    cudart.thread_capture_mode = GLOBAL
+    assert cudart.end_capture(capture) and cudart.violations == 1
+
+
+def test_exchange_allocator_frees_on_another_thread_during_a_capture(cudart, example):
+    """A framework may drop the tensor from a thread of its own, in that thread's global mode, while this thread
+    captures in global mode: the deleter switches that thread to relaxed mode too, and back."""
+    view = example.exchange_allocate(DLPackView, (2, 32), (4,), (2, 0))
+    capsule = view.__dlpack__(max_version=(1, 0))  # holds the view, which holds the tensor the allocator made
+    address = _api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+    _api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    assert _api.PyCapsule_SetName(capsule, b"used_dltensor_versioned") == 0  # consumed by "the framework"
+    deleter = ctypes.cast(DLManagedTensorVersioned.from_address(address).deleter, ctypes.c_void_p).value
+    del view, capsule
+    capture = cudart.begin_capture(C_HANDLE, 0, GLOBAL)
+    cudart.clear_log()
+    cudart.lib.double_call_in_thread.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    assert cudart.lib.double_call_in_thread(deleter, address) == 0  # the last reference: the memory is freed there
+    assert allocator_calls(cudart, 2) == [exchanges(GLOBAL, True)[0], "cudaFree()", exchanges(GLOBAL, True)[1]]
+    assert cudart.end_capture(capture) and cudart.violations == 0
+
+
+@pytest.mark.parametrize("mode", [THREAD_LOCAL, RELAXED])
+def test_exchange_allocator_puts_the_threads_own_mode_back(cudart, example, mode):
+    """The switch is push-pop: a thread a framework put in thread-local (or relaxed) mode is in it again after
+    the allocation and after the free."""
+    cudart.thread_capture_mode = mode
+    cudart.clear_log()
+    view = example.exchange_allocate(DLPackView, (2, 32), (4,), (2, 0))
+    assert cudart.thread_capture_mode == mode
+    del view
+    assert cudart.thread_capture_mode == mode
+    to_relaxed, back = exchanges(mode, True)
+    assert allocator_calls(cudart, 2) == [to_relaxed, "cudaMalloc(16) -> ok", back, to_relaxed, "cudaFree()", back]
+    cudart.thread_capture_mode = GLOBAL
+
+
+def test_exchange_allocator_goes_ahead_when_the_mode_cannot_be_switched(cudart, example):
+    """A refused switch changes nothing: the allocation is made in the thread's own mode, nothing is switched
+    back, and the runtime's last error (ours) is cleared."""
+    cudart.fail(EXCHANGE, 1, count=1)
+    view = example.exchange_allocate(DLPackView, (2, 32), (4,), (2, 0))
+    assert cudart.last_error == 0 and cudart.thread_capture_mode == GLOBAL
+    assert allocator_calls(cudart, 2) == [f"{EXCHANGE}({RELAXED}) -> 1, was {GLOBAL}", "cudaMalloc(16) -> ok"]
+    del view
+
+
+def test_exchange_allocator_with_a_runtime_that_cannot_switch_modes(tmp_path, example):
+    """A runtime without cudaThreadExchangeStreamCaptureMode loads, and the allocator works as before: in the
+    thread's own mode, so during another thread's global capture cudaMalloc is refused as CUDA refuses it."""
+    runtime = cuda_double.build(str(tmp_path), capture_mode=False)
+    child = textwrap.dedent(f"""
+        import ctypes, importlib.util
+        from cai_dlpack import DLPackView
+        spec = importlib.util.spec_from_file_location("cai_dlpack_example", {example.__file__!r})
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        double = ctypes.CDLL({runtime!r})
+        view = example.exchange_allocate(DLPackView, (2, 32), (4,), (2, 0))
+        del view
+        double.double_begin_capture.restype = ctypes.c_ulonglong
+        double.double_begin_capture(0x7000, 0, 0, 0, 1)
+        try:
+            example.exchange_allocate(DLPackView, (2, 32), (4,), (2, 0))
+        except RuntimeError as error:
+            print("REFUSED", error)
+        print("VIOLATIONS", double.double_violations())
+    """)
+    env = dict(os.environ, CAI_DLPACK_CUDART=runtime)
+    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "REFUSED RuntimeError: cai_dlpack allocator: 16 bytes on device (2, 0): cudaMalloc failed: "
+        "cudaErrorStreamCaptureUnsupported",
+        "VIOLATIONS 1"]

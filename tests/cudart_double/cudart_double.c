@@ -74,7 +74,8 @@ static struct {
     unsigned long long id;
     int mode;
     int blocking;       /* not created with cudaStreamNonBlocking: the legacy stream depends on it */
-    int other_thread;   /* begun by another thread than the tests' */
+    int other_thread;   /* taken as begun by another thread than the one that began it here */
+    pthread_t thread;   /* the thread that called double_begin_capture */
     int invalidated;
 } captures[MAX_CAPTURES];
 static int capture_count;
@@ -218,8 +219,9 @@ static int unsafe_call(const char *call)
 {
     int code = 0;
     for (int i = 0; i < capture_count; i++) {
-        int own = !captures[i].other_thread && captures[i].mode != MODE_RELAXED;
-        int prohibited = thread_capture_mode == MODE_GLOBAL ? own || (captures[i].other_thread && captures[i].mode == MODE_GLOBAL)
+        int elsewhere = captures[i].other_thread || !pthread_equal(captures[i].thread, pthread_self());
+        int own = !elsewhere && captures[i].mode != MODE_RELAXED;
+        int prohibited = thread_capture_mode == MODE_GLOBAL ? own || (elsewhere && captures[i].mode == MODE_GLOBAL)
                          : thread_capture_mode == MODE_THREAD_LOCAL ? own
                                                                     : 0;
         if (prohibited) {
@@ -488,13 +490,27 @@ API cudaError_t cudaStreamGetCaptureInfo_v2(cudaStream_t stream, int *status, un
 }
 #endif
 
+#ifndef DOUBLE_NO_CAPTURE_MODE
+/* The calling thread's mode is swapped with *mode; a value that is no mode is refused and changes nothing. */
 API cudaError_t cudaThreadExchangeStreamCaptureMode(int *mode)
 {
-    int previous = thread_capture_mode;
-    thread_capture_mode = *mode;
-    *mode = previous;
-    return 0;
+    pthread_mutex_lock(&lock);
+    int asked = *mode, previous = thread_capture_mode;
+    int code = injected("cudaThreadExchangeStreamCaptureMode");
+    if (code == 0 && (asked < MODE_GLOBAL || asked > MODE_RELAXED))
+        code = last_error = INVALID_VALUE;
+    if (code == 0) {
+        thread_capture_mode = asked;
+        *mode = previous;
+    }
+    note("cudaThreadExchangeStreamCaptureMode(%d) -> %d, was %d", asked, code, previous);
+    pthread_mutex_unlock(&lock);
+    return code;
 }
+#endif
+
+/* The calling thread's capture-interaction mode (no log entry). */
+API int double_thread_capture_mode(void) { return thread_capture_mode; }
 
 /* Synchronizing a capturing stream, or any unsafe call the thread's mode prohibits, breaks captures. */
 static cudaError_t synchronize(const char *what, cudaStream_t stream, int whole_device)
@@ -980,6 +996,7 @@ API unsigned long long double_begin_capture(uintptr_t handle, int device, int mo
         captures[capture_count].handle = handle, captures[capture_count].device = device;
         captures[capture_count].id = id, captures[capture_count].mode = mode;
         captures[capture_count].blocking = blocking, captures[capture_count].other_thread = other_thread;
+        captures[capture_count].thread = pthread_self();
         captures[capture_count].invalidated = 0;
         capture_count++;
     }

@@ -12,15 +12,14 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 
 import cai_dlpack  # noqa: E402
-from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai  # noqa: E402
+from cai_dlpack import CudaError, DLPackShim, DLPackView, cai2dlpack, dlpack2cai  # noqa: E402
 from cai_dlpack._benchmark import SPIN_KERNEL  # noqa: E402
+from support import c_example  # noqa: E402
 from support.cai_objects import Wrapped  # noqa: E402
 
 N = 1 << 20
 SPIN_NS = 200_000_000  # the producer's work: long enough that a consumer not ordered after it reads too early
 
-
-@pytest.fixture
 
 def warm_up(step):
     """Runs step once off the default stream, as torch asks before a capture, and waits for it."""
@@ -31,6 +30,8 @@ def warm_up(step):
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
 
+
+@pytest.fixture
 def spin():
     kernel = cupy.RawKernel(SPIN_KERNEL, "spin")
     kernel((1,), (1,), (np.int64(1),))  # loaded now: a module load during a capture or a spin would serialize
@@ -225,3 +226,41 @@ def test_capture_on_a_side_stream_while_another_thread_converts_on_the_legacy_st
     assert float(out.min()) == 2
     expected = "cudaErrorStreamCaptureImplicit" if blocking else "ordered"
     assert set(outcomes) == {expected}
+
+
+def test_exchange_allocator_inside_a_torch_capture():
+    """The exchange API's allocator (through tests/c_api_example) while torch captures in global mode, on the
+    capturing thread and on another: device, pinned and managed tensors are made, and some dropped (freed),
+    during the capture. In relaxed mode none of those calls breaks it: capture_end succeeds, the replay is right,
+    and the memory made during the capture is real afterwards."""
+    example = c_example.build()
+    x = torch.arange(N, device="cuda", dtype=torch.float32)
+    out = torch.zeros_like(x)
+
+    def step():
+        out.copy_(x * 2)
+
+    warm_up(step)
+    kept = []
+
+    def allocate_and_drop():
+        for device_type in (2, 3, 13):
+            kept.append(example.exchange_allocate(DLPackView, (2, 32), (4,), (device_type, 0)))
+            example.exchange_allocate(DLPackView, (2, 32), (4,), (device_type, 0))  # dropped: freed at once
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # raises at its end if anything invalidated the capture
+        step()
+        allocate_and_drop()
+        other = threading.Thread(target=allocate_and_drop)
+        other.start()
+        other.join()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool(out.eq(x * 2).all())
+    assert [view.device for view in kept] == [(2, 0), (3, 0), (13, 0)] * 2
+    for view in kept[::3]:  # device memory made during the capture, written and read after it
+        array = cupy.asarray(view)
+        array.fill(3)
+        assert array.tolist() == [3.0] * 4

@@ -14,17 +14,19 @@ UNREGISTERED, PINNED_HOST, DEVICE, MANAGED = 0, 1, 2, 3
 GLOBAL, THREAD_LOCAL, RELAXED = 0, 1, 2
 
 
-def build(directory=None, cuda_12_0=False):
+def build(directory=None, cuda_12_0=False, capture_mode=True):
     """Compiles the double into a shared library and returns its path. cuda_12_0: a runtime without
-    cudaGetDriverEntryPointByVersion (CUDA 12.5), whose driver calls come through cudaGetDriverEntryPoint."""
+    cudaGetDriverEntryPointByVersion (CUDA 12.5), whose driver calls come through cudaGetDriverEntryPoint.
+    capture_mode=False: a runtime without cudaThreadExchangeStreamCaptureMode."""
     directory = directory or tempfile.mkdtemp(prefix="cudart_double_")
-    target = os.path.join(directory, "libcudart_double_12_0.so" if cuda_12_0 else "libcudart_double.so")
+    name = "libcudart_double" + ("_12_0" if cuda_12_0 else "") + ("" if capture_mode else "_no_capture_mode")
+    target = os.path.join(directory, name + ".so")
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(compiler) is None:
         compiler = "cc"
     subprocess.run(
         [compiler, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-pthread", SOURCE, "-o", target]
-        + (["-DDOUBLE_CUDA_12_0"] if cuda_12_0 else []),
+        + (["-DDOUBLE_CUDA_12_0"] if cuda_12_0 else []) + ([] if capture_mode else ["-DDOUBLE_NO_CAPTURE_MODE"]),
         check=True,
     )
     return target
@@ -129,6 +131,17 @@ class CudaDouble:
     def invalidate_capture(self, capture):
         """An earlier error of someone else's invalidated the capture."""
         self.lib.double_invalidate_capture(capture)
+
+    @property
+    def thread_capture_mode(self):
+        """The calling thread's capture-interaction mode (GLOBAL until something exchanges it)."""
+        return self.lib.double_thread_capture_mode()
+
+    @thread_capture_mode.setter
+    def thread_capture_mode(self, mode):
+        """Set as a framework would, with cudaThreadExchangeStreamCaptureMode (which the log records)."""
+        value = ctypes.c_int(mode)
+        assert self.lib.cudaThreadExchangeStreamCaptureMode(ctypes.byref(value)) == 0
 
     @property
     def violations(self):
