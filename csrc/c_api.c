@@ -17,6 +17,8 @@ static int cdl_array_of(PyObject *obj, cdl_array *arr, PyObject **owner, PyObjec
         return 0;
     }
     const int shim = PyObject_TypeCheck(obj, &cdl_shim_type);
+    if (shim)
+        cdl_shim_drop_reading((cdl_shim *)obj);
     *owner = shim ? ((cdl_shim *)obj)->obj : obj;
     return cdl_array_from_object(*owner, shim ? cdl_shim_dtype((cdl_shim *)obj) : NULL, arr, keepalive);
 }
@@ -227,15 +229,24 @@ static int cdl_exchange_dltensor_from_object(void *py_object, DLTensor *out)
     /* The shape and strides live in the shim until its next conversion: the exchange API promises them
      * only until control returns to the caller. */
     cdl_shim *shim = (cdl_shim *)obj;
-    if (shim->dims == NULL) {
-        shim->dims = PyMem_Malloc(2 * CDL_MAX_NDIM * sizeof(int64_t));
-        if (shim->dims == NULL) {
+    int64_t *dims = __atomic_load_n(&shim->dims, __ATOMIC_ACQUIRE);
+    if (dims == NULL) {
+        int64_t *made = PyMem_RawMalloc(2 * CDL_MAX_NDIM * sizeof(int64_t));
+        if (made == NULL) {
             PyErr_NoMemory();
             return -1;
         }
+        /* Two threads may both make one: the first stored is kept, and is what both lend. */
+        int64_t *expected = NULL;
+        if (__atomic_compare_exchange_n(&shim->dims, &expected, made, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            dims = made;
+        }
+        else {
+            PyMem_RawFree(made);
+            dims = expected;
+        }
     }
-    return cdl_api_fill_tensor(obj, CDL_STREAM_LEGACY, out, shim->dims, shim->dims + CDL_MAX_NDIM, CDL_MAX_NDIM,
-                               NULL);
+    return cdl_api_fill_tensor(obj, CDL_STREAM_LEGACY, out, dims, dims + CDL_MAX_NDIM, CDL_MAX_NDIM, NULL);
 }
 
 static int cdl_exchange_to_object(DLManagedTensorVersioned *tensor, void **out_py_object)

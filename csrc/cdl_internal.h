@@ -336,16 +336,22 @@ int cdl_order_exchange_producer(const DLPackExchangeAPI *api, PyObject *obj, cdl
 int cdl_view_from_exchange_api(PyObject *obj, int64_t consumer, PyObject **view);
 
 /* shim.c: DLPackShim, the DLPack protocol for an interface object --------------------------------- */
+typedef struct cdl_shim_reading cdl_shim_reading;
 typedef struct {
     PyObject_HEAD
     PyObject *obj;         /* the wrapped CAI or array-interface object */
     PyObject *weakreflist;
     int64_t *dims;         /* shape and strides lent by the exchange API's DLTensor call; made on first use */
     DLDataType dtype;      /* the dtype= the shim was made with; bits 0: none */
+    /* The read-once rule: what __dlpack_device__ read of a CAI object, taken (atomically) by the next
+     * __dlpack__ on the same thread; any other conversion of the shim drops it and reads afresh. */
+    cdl_shim_reading *pending;
 } cdl_shim;
 extern PyTypeObject cdl_shim_type;
 /* The shim's dtype=, or NULL. */
 static inline const DLDataType *cdl_shim_dtype(const cdl_shim *shim) { return shim->dtype.bits ? &shim->dtype : NULL; }
+/* Drops what __dlpack_device__ read, if anything: a conversion other than __dlpack__ is starting. */
+void cdl_shim_drop_reading(cdl_shim *shim);
 int cdl_shim_type_init(void);
 
 /* c_api.c: the C doors ----------------------------------------------------------------------------- */

@@ -16,8 +16,11 @@ void cdl_managed_delete(cdl_managed *managed)
 {
     if (managed->pointer == NULL)
         return;
+    /* The deleter may run Python code, which must not see (or clear) an exception already set. */
+    const int stash = PyErr_Occurred() != NULL;
     cdl_pending_error pending;
-    cdl_error_stash(&pending);
+    if (stash)
+        cdl_error_stash(&pending);
     if (managed->versioned) {
         DLManagedTensorVersioned *m = managed->pointer;
         if (m->deleter)
@@ -29,7 +32,8 @@ void cdl_managed_delete(cdl_managed *managed)
             m->deleter(m);
     }
     managed->pointer = NULL;
-    cdl_error_unstash(&pending);
+    if (stash)
+        cdl_error_unstash(&pending);
 }
 
 /* ---- our export ---------------------------------------------------------------------------------- */
@@ -127,6 +131,18 @@ static void cdl_capsule_destructor(PyObject *capsule)
     cdl_managed managed = {PyCapsule_GetPointer(capsule, name), name == cdl_capsule_name_versioned};
     if (managed.pointer == NULL) {
         PyErr_WriteUnraisable(capsule);
+        return;
+    }
+    /* Our own export, dying under the GIL in a live interpreter: its references go without the checks
+     * a deleter on an unknown thread needs (a finalizer that runs keeps a pending exception itself). */
+    void *deleter = managed.versioned ? (void *)((DLManagedTensorVersioned *)managed.pointer)->deleter
+                                      : (void *)((DLManagedTensor *)managed.pointer)->deleter;
+    if (deleter == (void *)cdl_delete_legacy || deleter == (void *)cdl_delete_versioned) {
+        cdl_export_block *block = managed.versioned ? ((DLManagedTensorVersioned *)managed.pointer)->manager_ctx
+                                                    : ((DLManagedTensor *)managed.pointer)->manager_ctx;
+        Py_XDECREF(block->owner);
+        Py_XDECREF(block->keepalive);
+        PyMem_RawFree(block);
         return;
     }
     cdl_managed_delete(&managed);

@@ -1,6 +1,31 @@
 /* DLPackShim: gives an object with __cuda_array_interface__ (or __array_interface__) the DLPack
- * protocol, reading the wrapped object's interface at each call. */
+ * protocol, reading the wrapped object's interface once per conversion. */
 #include "cdl_internal.h"
+
+#include "pythread.h"
+
+/* What __dlpack_device__ read, for the next __dlpack__ of the same shim on the same thread. */
+struct cdl_shim_reading {
+    cdl_array arr;
+    PyObject *keepalive;
+    unsigned long thread;
+};
+
+static void cdl_reading_free(cdl_shim_reading *reading)
+{
+    if (reading != NULL) {
+        Py_XDECREF(reading->keepalive);
+        PyMem_Free(reading);
+    }
+}
+
+/* Takes the shim's pending reading (NULL: none), which is then nobody else's. */
+static cdl_shim_reading *cdl_shim_take_reading(cdl_shim *shim)
+{
+    return __atomic_exchange_n(&shim->pending, NULL, __ATOMIC_ACQ_REL);
+}
+
+void cdl_shim_drop_reading(cdl_shim *shim) { cdl_reading_free(cdl_shim_take_reading(shim)); }
 
 static PyObject *cdl_host_device; /* (kDLCPU, 0) */
 
@@ -45,21 +70,36 @@ static void cdl_shim_dealloc(cdl_shim *self)
     if (self->weakreflist != NULL)
         PyObject_ClearWeakRefs((PyObject *)self);
     cdl_shim_clear(self);
-    PyMem_Free(self->dims);
+    cdl_shim_drop_reading(self);
+    PyMem_RawFree(self->dims);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     PyObject *values[4];
-    if (cdl_parse_dlpack_keywords(args, nargs, kwnames, values) < 0)
+    cdl_shim_reading *reading = cdl_shim_take_reading(self);
+    if (reading != NULL && reading->thread != PyThread_get_thread_ident()) {
+        cdl_reading_free(reading); /* another thread's half conversion: read afresh */
+        reading = NULL;
+    }
+    if (cdl_parse_dlpack_keywords(args, nargs, kwnames, values) < 0) {
+        cdl_reading_free(reading);
         return NULL;
-    cdl_array arr;
-    PyObject *keepalive;
-    if (cdl_array_from_object(self->obj, cdl_shim_dtype(self), &arr, &keepalive) < 0)
+    }
+    cdl_array fresh;
+    const cdl_array *arr = reading ? &reading->arr : &fresh;
+    PyObject *keepalive = NULL;
+    if (reading != NULL) {
+        keepalive = reading->keepalive;
+        reading->keepalive = NULL;
+    }
+    else if (cdl_array_from_object(self->obj, cdl_shim_dtype(self), &fresh, &keepalive) < 0) {
         return NULL;
-    PyObject *capsule = cdl_export(&arr, self->obj, keepalive, values[0], values[1], values[2], values[3]);
+    }
+    PyObject *capsule = cdl_export(arr, self->obj, keepalive, values[0], values[1], values[2], values[3]);
     Py_XDECREF(keepalive);
+    cdl_reading_free(reading);
     return capsule;
 }
 
@@ -70,21 +110,42 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
     int found = cdl_lookup_attribute(self->obj, cdl_name.cuda_array_interface, &iface);
     if (found < 0)
         return NULL;
-    if (found == 0 && _PyType_Lookup(Py_TYPE(self->obj), cdl_name.array_interface) != NULL) {
-        /* Array-interface memory is host memory: no need to build the interface (NumPy makes a new
-         * dict on each access) just to say so. */
-        return Py_NewRef(cdl_host_device);
+    if (found == 0) {
+        /* Array-interface memory is host memory: nothing needs reading to say so (NumPy would build its
+         * dict on each access). The type's attribute is asked first, an instance's only when it has none. */
+        if (_PyType_Lookup(Py_TYPE(self->obj), cdl_name.array_interface) != NULL)
+            return Py_NewRef(cdl_host_device);
+        if ((found = cdl_lookup_attribute(self->obj, cdl_name.array_interface, &iface)) < 0)
+            return NULL;
+        Py_XDECREF(iface);
+        if (found)
+            return Py_NewRef(cdl_host_device);
+        /* Neither (or one just made): the reader decides, and says why in its own words. */
+        cdl_array arr;
+        PyObject *keepalive;
+        if (cdl_array_from_object(self->obj, cdl_shim_dtype(self), &arr, &keepalive) < 0)
+            return NULL;
+        Py_XDECREF(keepalive);
+        return cdl_device_tuple(arr.device);
     }
-    cdl_array arr;
-    PyObject *keepalive;
-    int status = found ? cdl_array_from_interface(iface, CDL_SOURCE_CAI, self->obj, cdl_shim_dtype(self), &arr,
-                                                  &keepalive)
-                       : cdl_array_from_object(self->obj, cdl_shim_dtype(self), &arr, &keepalive);
-    Py_XDECREF(iface);
-    if (status < 0)
+    /* A CAI read costs a dict and a runtime query of the pointer: kept for the __dlpack__ that follows. */
+    cdl_shim_reading *reading = PyMem_Malloc(sizeof(cdl_shim_reading));
+    if (reading == NULL) {
+        Py_DECREF(iface);
+        return PyErr_NoMemory();
+    }
+    reading->keepalive = NULL;
+    int status = cdl_array_from_interface(iface, CDL_SOURCE_CAI, self->obj, cdl_shim_dtype(self), &reading->arr,
+                                          &reading->keepalive);
+    Py_DECREF(iface);
+    PyObject *device = status < 0 ? NULL : cdl_device_tuple(reading->arr.device);
+    if (device == NULL) {
+        cdl_reading_free(reading);
         return NULL;
-    Py_XDECREF(keepalive);
-    return cdl_device_tuple(arr.device);
+    }
+    reading->thread = PyThread_get_thread_ident();
+    cdl_reading_free(__atomic_exchange_n(&self->pending, reading, __ATOMIC_ACQ_REL));
+    return device;
 }
 
 static PyObject *cdl_shim_repr(cdl_shim *self)
@@ -95,7 +156,8 @@ static PyObject *cdl_shim_repr(cdl_shim *self)
 static PyMethodDef cdl_shim_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))cdl_shim_dlpack, METH_FASTCALL | METH_KEYWORDS,
      "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
-     "Reads the wrapped object's interface now and returns a DLPack capsule sharing its memory."},
+     "A DLPack capsule sharing the wrapped object's memory, described as the __dlpack_device__ call just before\n"
+     "it on this thread read it (the first half of a conversion), else as its interface reads now."},
     {"__dlpack_device__", (PyCFunction)cdl_shim_dlpack_device, METH_NOARGS,
      "__dlpack_device__($self, /)\n--\n\n(DLDeviceType, device_id) of the wrapped object's data, without building a capsule."},
     {NULL, NULL, 0, NULL},

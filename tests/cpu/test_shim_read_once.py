@@ -1,0 +1,148 @@
+"""The shim's read-once rule: a conversion (a consumer's __dlpack_device__, then its __dlpack__) reads the
+wrapped object's interface once and asks the runtime where its pointer lives once. What __dlpack_device__
+read is used by the next __dlpack__ of the same shim on the same thread only; every other call reads
+afresh, so a wrapped object that changes between conversions is seen as it is now."""
+import threading
+
+import numpy as np
+import pytest
+
+from cai_dlpack import DLPackShim, dlpack2cai
+from support import c_example
+from support.cai_objects import register
+from support.cuda_double import DEVICE
+
+
+class CountingCai:
+    """A CAI producer whose property builds a new dict on every access, as CuPy's and Numba's do, and
+    counts the accesses."""
+
+    def __init__(self, array):
+        self.array = array
+        self.reads = 0
+
+    @property
+    def __cuda_array_interface__(self):
+        self.reads += 1
+        return {"shape": self.array.shape, "typestr": self.array.dtype.str, "strides": self.array.strides,
+                "data": (self.array.__array_interface__["data"][0], False), "version": 3, "stream": None}
+
+
+@pytest.fixture
+def device_arrays(cudart):
+    """Two arrays the double reports as device memory (the second for a producer that changes)."""
+    first, second = np.arange(12, dtype=np.float32), np.arange(20, dtype=np.float32)
+    register(cudart, first, DEVICE)
+    register(cudart, second, DEVICE)
+    return first.reshape(3, 4), second.reshape(4, 5)
+
+
+def pointer_queries(cudart):
+    return sum(line.startswith("cudaPointerGetAttributes") for line in cudart.log())
+
+
+def convert(shim):
+    """What torch.from_dlpack does with a CUDA producer, then a view of the capsule."""
+    shim.__dlpack_device__()
+    return dlpack2cai(shim.__dlpack__(stream=None, max_version=(1, 0)))
+
+
+def test_one_conversion_reads_once(cudart, device_arrays):
+    producer = CountingCai(device_arrays[0])
+    shim = DLPackShim(producer)
+    cudart.clear_log()
+    view = convert(shim)
+    assert (producer.reads, pointer_queries(cudart)) == (1, 1)
+    assert view.shape == (3, 4) and view.__cuda_array_interface__["data"][0] == device_arrays[0].ctypes.data
+
+
+def test_a_change_between_conversions_is_seen(cudart, device_arrays):
+    producer = CountingCai(device_arrays[0])
+    shim = DLPackShim(producer)
+    assert convert(shim).shape == (3, 4)
+    producer.array = device_arrays[1]
+    view = convert(shim)
+    assert view.shape == (4, 5) and view.__cuda_array_interface__["data"][0] == device_arrays[1].ctypes.data
+    assert producer.reads == 2
+
+
+def test_dlpack_alone_reads_every_time(cudart, device_arrays):
+    producer = CountingCai(device_arrays[0])
+    shim = DLPackShim(producer)
+    dlpack2cai(shim.__dlpack__(max_version=(1, 0)))
+    producer.array = device_arrays[1]
+    assert dlpack2cai(shim.__dlpack__(max_version=(1, 0))).shape == (4, 5)
+    assert producer.reads == 2
+
+
+def test_another_conversion_drops_the_reading(cudart, device_arrays):
+    """The C API reads afresh, and the __dlpack__ after it does not use what the earlier device call read."""
+    example = c_example.build()
+    producer = CountingCai(device_arrays[0])
+    shim = DLPackShim(producer)
+    shim.__dlpack_device__()
+    producer.array = device_arrays[1]
+    assert example.fill(shim, -1)["shape"] == (4, 5)
+    assert dlpack2cai(shim.__dlpack__(max_version=(1, 0))).shape == (4, 5)
+    assert producer.reads == 3
+
+
+def test_another_threads_dlpack_reads_afresh(cudart, device_arrays):
+    producer = CountingCai(device_arrays[0])
+    shim = DLPackShim(producer)
+    shim.__dlpack_device__()
+    producer.array = device_arrays[1]
+    shapes = []
+    worker = threading.Thread(target=lambda: shapes.append(dlpack2cai(shim.__dlpack__(max_version=(1, 0))).shape))
+    worker.start()
+    worker.join()
+    assert shapes == [(4, 5)] and producer.reads == 2
+    assert dlpack2cai(shim.__dlpack__(max_version=(1, 0))).shape == (4, 5)  # the reading went with the thread
+    assert producer.reads == 3
+
+
+def test_a_refused_dlpack_drops_the_reading(cudart, device_arrays):
+    producer = CountingCai(device_arrays[0])
+    shim = DLPackShim(producer)
+    shim.__dlpack_device__()
+    with pytest.raises(TypeError):
+        shim.__dlpack__(stream="the default one")
+    producer.array = device_arrays[1]
+    assert dlpack2cai(shim.__dlpack__(max_version=(1, 0))).shape == (4, 5)
+
+
+def test_a_device_call_that_fails_leaves_nothing(cudart, device_arrays):
+    producer = CountingCai(device_arrays[0])
+    shim = DLPackShim(producer)
+    cudart.fail("cudaPointerGetAttributes", 1)
+    with pytest.raises(Exception, match="cudaPointerGetAttributes"):
+        shim.__dlpack_device__()
+    assert dlpack2cai(shim.__dlpack__(max_version=(1, 0))).shape == (3, 4)
+    assert producer.reads == 2
+
+
+class ReadyHost:
+    """Host memory behind an instance's ready __array_interface__ dict (its type has none)."""
+
+    def __init__(self, iface):
+        self.__array_interface__ = iface
+
+
+def test_host_memory_needs_no_reading_to_name_its_device():
+    x = np.arange(6.0)
+    shim = DLPackShim(ReadyHost(dict(x.__array_interface__)))
+    assert shim.__dlpack_device__() == (1, 0)
+    np.testing.assert_array_equal(np.from_dlpack(shim), x)
+    broken = dict(x.__array_interface__)
+    del broken["typestr"]
+    shim = DLPackShim(ReadyHost(broken))
+    assert shim.__dlpack_device__() == (1, 0)  # not parsed: array-interface memory is host memory
+    with pytest.raises(ValueError, match="lacks the required key 'typestr'"):
+        shim.__dlpack__()
+
+
+def test_an_object_with_neither_interface_is_refused_by_either_call():
+    shim = DLPackShim(object())
+    for call in (shim.__dlpack_device__, shim.__dlpack__):
+        with pytest.raises(TypeError, match="neither __cuda_array_interface__ nor __array_interface__"):
+            call()
