@@ -181,6 +181,23 @@ static inline int64_t cdl_itemsize(DLDataType dtype) { return ((int64_t)dtype.bi
 int cdl_dtype_init(void);
 
 /* cuda_runtime.c: the runtime opened at run time, device scopes, CUDA errors -------------------- */
+/* A lock for state that threads share without the GIL (free-threaded builds; deleters and the exchange
+ * allocator on any thread): the runtime table's publication here, the event pool in stream_sync.c. It
+ * is held only around C code and CUDA calls, never while calling into Python or taking the GIL, so it
+ * cannot deadlock against either. PyMutex from 3.13 (a waiter detaches from the interpreter, so a
+ * free-threaded stop-the-world pause is not held up), a POSIX mutex before. */
+#if PY_VERSION_HEX >= 0x030D0000
+typedef PyMutex cdl_lock;
+#define CDL_LOCK_INITIALIZER {0}
+static inline void cdl_lock_acquire(cdl_lock *lock) { PyMutex_Lock(lock); }
+static inline void cdl_lock_release(cdl_lock *lock) { PyMutex_Unlock(lock); }
+#else
+#include <pthread.h>
+typedef pthread_mutex_t cdl_lock;
+#define CDL_LOCK_INITIALIZER PTHREAD_MUTEX_INITIALIZER
+static inline void cdl_lock_acquire(cdl_lock *lock) { (void)pthread_mutex_lock(lock); }
+static inline void cdl_lock_release(cdl_lock *lock) { (void)pthread_mutex_unlock(lock); }
+#endif
 /* cai_dlpack.CudaError: CUDA runtime failures (made by cdl_cuda_errors_init). */
 extern PyObject *cdl_CudaError;
 int cdl_cuda_errors_init(void);
@@ -190,7 +207,8 @@ int cdl_cuda_errors_init(void);
 int cdl_device_of_pointer(const void *ptr, DLDevice *device, int32_t *home);
 /* Sets cdl_CudaError for a failed runtime call and clears the runtime's last error. Returns -1. */
 int cdl_raise_cuda_error(const char *call, int code);
-/* Function table of the loaded runtime; NULL with RuntimeError saying what was searched. */
+/* Function table of the loaded runtime; NULL with RuntimeError saying what was searched. Threads may
+ * search at once; the first runtime published is the one every thread uses from then on. */
 struct cdl_cudart;
 const struct cdl_cudart *cdl_cudart_get(void);
 /* The runtime if it is already loaded, else NULL; touches no Python state (any thread, no GIL). */
