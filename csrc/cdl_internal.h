@@ -225,9 +225,10 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
                           void (*set_error)(void *error_ctx, const char *kind, const char *message));
 
 /* stream_sync.c: ordering a producer's stream before a consumer's -------------------------------- */
-/* Process-wide switches of the CAI spec's opt-outs. */
-extern int cdl_option_sync;            /* 0: consumers ignore producer streams */
-extern int cdl_option_export_stream;   /* 0: producers export "stream": None */
+/* Process-wide switches of the CAI spec's opt-outs; atomic, since options() may set them while other
+ * threads convert (a plain read is an atomic load). */
+extern _Atomic int cdl_option_sync;            /* 0: consumers ignore producer streams */
+extern _Atomic int cdl_option_export_stream;   /* 0: producers export "stream": None */
 /* Parses a stream value named what: a consumer's argument (None -> 1, -1, 1, 2, a handle, or an object
  * of the CUDA stream protocol, __cuda_stream__() -> (version, handle), a NULL handle -> 1) when
  * consumer is 1, a CAI 'stream' entry (None -> 0, 1, 2 or a handle) when 0. Returns 0 or -1. */
