@@ -34,8 +34,13 @@ static int cdl_release_borrowed_buffer(PyObject *owner, PyObject *keepalive)
         return 0;
     PyObject *exporter = Py_XNewRef(PyMemoryView_GET_BUFFER(keepalive)->obj);
     Py_DECREF(keepalive);
-    /* After the view is gone, a count of one is our own reference: nothing else holds the buffer. */
+    /* After the view is gone, a count of one is our own reference: nothing else holds the buffer. Without
+     * the GIL a count is only approximate (split between threads), so any buffer but obj's own is refused. */
+#ifdef Py_GIL_DISABLED
+    int dying = exporter != NULL && exporter != owner;
+#else
     int dying = exporter != NULL && exporter != owner && Py_REFCNT(exporter) == 1;
+#endif
     if (dying)
         PyErr_Format(PyExc_BufferError,
                      "the %.200s that %.200s's __array_interface__ 'data' names is held by nothing but this call, "

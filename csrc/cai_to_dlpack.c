@@ -118,6 +118,8 @@ static void cdl_collect_entries(PyObject *iface, PyObject **entries)
         entries[i] = NULL;
     Py_ssize_t position = 0;
     PyObject *key, *value;
+    /* Borrowed key and value, each taken by a new reference before another thread could change the dict. */
+    CDL_BEGIN_CRITICAL_SECTION(iface);
     while (PyDict_Next(iface, &position, &key, &value)) {
         int i = 0;
         while (i < CDL_ENTRIES && key != names[i])
@@ -130,6 +132,7 @@ static void cdl_collect_entries(PyObject *iface, PyObject **entries)
         if (i < CDL_ENTRIES)
             entries[i] = Py_NewRef(value);
     }
+    CDL_END_CRITICAL_SECTION();
 }
 
 /* entries[index], or NULL with ValueError naming the missing key. */
@@ -150,18 +153,21 @@ static Py_ssize_t cdl_read_int_sequence(PyObject *sequence, cdl_source source, c
                      Py_TYPE(sequence)->tp_name);
         return -1;
     }
-    Py_ssize_t length = PySequence_Fast_GET_SIZE(sequence);
+    Py_ssize_t length;
+    /* A list another thread changes is read as it was at one moment: the length read once, the items in
+     * the critical section (with the GIL, nothing here runs Python code that could change it). */
+    CDL_BEGIN_CRITICAL_SECTION(sequence);
+    length = PySequence_Fast_GET_SIZE(sequence);
     if (length > CDL_MAX_NDIM) {
         PyErr_Format(cdl_UnsupportedError, "%s '%s' has %zd entries; at most %d dimensions are supported",
                      cdl_source_name(source), key, length, CDL_MAX_NDIM);
-        return -1;
+        length = -1;
     }
     for (Py_ssize_t i = 0; i < length; i++) {
-        /* The length was read once above; a list cannot change under us while we hold the GIL and
-         * call nothing that runs Python code. */
         if (cdl_read_int(PySequence_Fast_GET_ITEM(sequence, i), source, key, i, low, INT64_MAX, &values[i]) < 0)
-            return -1;
+            length = -1;
     }
+    CDL_END_CRITICAL_SECTION();
     return length;
 }
 

@@ -26,6 +26,16 @@
 #define cdl_lookup_attribute _PyObject_LookupAttr
 #endif
 
+/* A critical section on one object (3.13+): without the GIL, a list, dict or capsule another thread may change
+ * is read whole or not at all. With the GIL (and before 3.13) a plain block. Never left by return or goto. */
+#if PY_VERSION_HEX >= 0x030D0000
+#define CDL_BEGIN_CRITICAL_SECTION(object) Py_BEGIN_CRITICAL_SECTION(object)
+#define CDL_END_CRITICAL_SECTION() Py_END_CRITICAL_SECTION()
+#else
+#define CDL_BEGIN_CRITICAL_SECTION(object) {
+#define CDL_END_CRITICAL_SECTION() }
+#endif
+
 /* An exception set before code that may clear or replace it (a deleter, a runtime load), put back after. */
 typedef struct {
 #if PY_VERSION_HEX >= 0x030C0000
@@ -183,6 +193,23 @@ static inline int64_t cdl_itemsize(DLDataType dtype) { return ((int64_t)dtype.bi
 int cdl_dtype_init(void);
 
 /* cuda_runtime.c: the runtime opened at run time, device scopes, CUDA errors -------------------- */
+/* A lock for state that threads share without the GIL (free-threaded builds; deleters and the exchange
+ * allocator on any thread): the runtime table's publication here, the event pool in stream_sync.c. It
+ * is held only around C code and CUDA calls, never while calling into Python or taking the GIL, so it
+ * cannot deadlock against either. PyMutex from 3.13 (a waiter detaches from the interpreter, so a
+ * free-threaded stop-the-world pause is not held up), a POSIX mutex before. */
+#if PY_VERSION_HEX >= 0x030D0000
+typedef PyMutex cdl_lock;
+#define CDL_LOCK_INITIALIZER {0}
+static inline void cdl_lock_acquire(cdl_lock *lock) { PyMutex_Lock(lock); }
+static inline void cdl_lock_release(cdl_lock *lock) { PyMutex_Unlock(lock); }
+#else
+#include <pthread.h>
+typedef pthread_mutex_t cdl_lock;
+#define CDL_LOCK_INITIALIZER PTHREAD_MUTEX_INITIALIZER
+static inline void cdl_lock_acquire(cdl_lock *lock) { (void)pthread_mutex_lock(lock); }
+static inline void cdl_lock_release(cdl_lock *lock) { (void)pthread_mutex_unlock(lock); }
+#endif
 /* cai_dlpack.CudaError: CUDA runtime failures (made by cdl_cuda_errors_init). */
 extern PyObject *cdl_CudaError;
 int cdl_cuda_errors_init(void);
@@ -192,7 +219,8 @@ int cdl_cuda_errors_init(void);
 int cdl_device_of_pointer(const void *ptr, DLDevice *device, int32_t *home);
 /* Sets cdl_CudaError for a failed runtime call and clears the runtime's last error. Returns -1. */
 int cdl_raise_cuda_error(const char *call, int code);
-/* Function table of the loaded runtime; NULL with RuntimeError saying what was searched. */
+/* Function table of the loaded runtime; NULL with RuntimeError saying what was searched. Threads may
+ * search at once; the first runtime published is the one every thread uses from then on. */
 struct cdl_cudart;
 const struct cdl_cudart *cdl_cudart_get(void);
 /* The runtime if it is already loaded, else NULL; touches no Python state (any thread, no GIL). */
@@ -209,9 +237,10 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
                           void (*set_error)(void *error_ctx, const char *kind, const char *message));
 
 /* stream_sync.c: ordering a producer's stream before a consumer's -------------------------------- */
-/* Process-wide switches of the CAI spec's opt-outs. */
-extern int cdl_option_sync;            /* 0: consumers ignore producer streams */
-extern int cdl_option_export_stream;   /* 0: producers export "stream": None */
+/* Process-wide switches of the CAI spec's opt-outs; atomic, since options() may set them while other
+ * threads convert (a plain read is an atomic load). */
+extern _Atomic int cdl_option_sync;            /* 0: consumers ignore producer streams */
+extern _Atomic int cdl_option_export_stream;   /* 0: producers export "stream": None */
 /* Parses a stream value named what: a consumer's argument (None -> 1, -1, 1, 2, a handle, or an object
  * of the CUDA stream protocol, __cuda_stream__() -> (version, handle), a NULL handle -> 1) when
  * consumer is 1, a CAI 'stream' entry (None -> 0, 1, 2 or a handle) when 0. Returns 0 or -1. */

@@ -8,9 +8,11 @@
 #include <stdio.h>
 #include <string.h>
 
+/* Written once, under cdl_runtime_lock, before cdl_runtime_loaded is set; read-only from then on. */
 static cdl_cudart cdl_runtime;
 static int cdl_runtime_loaded;
 static char cdl_runtime_path[1024];
+static cdl_lock cdl_runtime_lock = CDL_LOCK_INITIALIZER;
 
 /* Resolves every symbol of the table from handle. Returns the first missing name, or NULL. */
 static const char *cdl_resolve_symbols(void *handle, cdl_cudart *table)
@@ -147,11 +149,20 @@ static int cdl_try_open(const char *path, int loaded_only, char *tried, size_t t
     else
         table.stream_get_capture_info_13 = NULL;
     cdl_resolve_driver(handle, &table);
-    cdl_runtime = table;
-    snprintf(cdl_runtime_path, sizeof(cdl_runtime_path), "%s", path);
-    /* Published with release order: a thread without the GIL (a deleter, the exchange allocator) that
-     * sees the flag sees the table. */
-    __atomic_store_n(&cdl_runtime_loaded, 1, __ATOMIC_RELEASE);
+    /* Published once, with release order: a thread without the GIL (a deleter, the exchange allocator)
+     * that sees the flag sees the table. Another thread's search may have published first (the GIL
+     * does not keep two searches apart on a free-threaded build, nor across the wheels' import): then
+     * its runtime is the one in use, and this handle is closed. */
+    cdl_lock_acquire(&cdl_runtime_lock);
+    const int first = !cdl_runtime_loaded;
+    if (first) {
+        cdl_runtime = table;
+        snprintf(cdl_runtime_path, sizeof(cdl_runtime_path), "%s", path);
+        __atomic_store_n(&cdl_runtime_loaded, 1, __ATOMIC_RELEASE);
+    }
+    cdl_lock_release(&cdl_runtime_lock);
+    if (!first)
+        dlclose(handle);
     return 1;
 }
 
@@ -239,7 +250,7 @@ const cdl_cudart *cdl_cudart_get(void)
             refused_loaded[i] = loaded_only && strlen(tried) > used;
         }
     }
-    if (cdl_try_wheels(tried, sizeof(tried)))
+    if (cdl_try_wheels(tried, sizeof(tried)) || cdl_is_loaded()) /* or another thread's search found one */
         return &cdl_runtime;
     PyErr_Format(PyExc_RuntimeError,
                  "no CUDA runtime found (tried %s); install a CUDA driver and runtime, e.g. "

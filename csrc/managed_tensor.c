@@ -160,9 +160,9 @@ PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject
     return capsule;
 }
 
-int cdl_managed_from_capsule(PyObject *capsule, cdl_managed *out)
+/* cdl_managed_from_capsule inside its critical section. */
+static int cdl_take_from_capsule(PyObject *capsule, cdl_managed *out)
 {
-    out->pointer = NULL;
     const char *name = PyCapsule_GetName(capsule);
     if (name == NULL)
         return -1;
@@ -180,6 +180,17 @@ int cdl_managed_from_capsule(PyObject *capsule, cdl_managed *out)
         return -1;
     out->pointer = pointer;
     return 0;
+}
+
+int cdl_managed_from_capsule(PyObject *capsule, cdl_managed *out)
+{
+    out->pointer = NULL;
+    int status;
+    /* Checking the name and renaming it is one step: two threads cannot both take the tensor. */
+    CDL_BEGIN_CRITICAL_SECTION(capsule);
+    status = cdl_take_from_capsule(capsule, out);
+    CDL_END_CRITICAL_SECTION();
+    return status;
 }
 
 /* ---- reading a foreign tensor -------------------------------------------------------------------- */

@@ -89,6 +89,14 @@ PyMODINIT_FUNC PyInit__core(void)
     PyObject *module = PyModule_Create(&cdl_module);
     if (module == NULL)
         return NULL;
+#ifdef Py_GIL_DISABLED
+    /* Without this, importing the module turns the GIL back on for the whole process. Its shared state
+     * is safe without the GIL: README.md, "Free-threading", says how. */
+    if (PyUnstable_Module_SetGIL(module, Py_MOD_GIL_NOT_USED) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+#endif
     if (PyModule_AddObjectRef(module, "CudaError", cdl_CudaError) < 0 ||
         PyModule_AddObjectRef(module, "UnsupportedArrayError", cdl_UnsupportedError) < 0 ||
         PyModule_AddObjectRef(module, "DLPackShim", (PyObject *)&cdl_shim_type) < 0 ||

@@ -8,14 +8,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-int cdl_option_sync = 1;
-int cdl_option_export_stream = 1;
+_Atomic int cdl_option_sync = 1;
+_Atomic int cdl_option_export_stream = 1;
 
 /* Reusable events, one per context (keyed by the context's id, unique for the process's lifetime), or
  * per device where the driver's calls are missing. A stream that waits on an event captures the
- * event's state at cudaStreamWaitEvent time, so the event can be recorded again at once; the GIL,
- * held through record and wait, keeps two conversions from sharing one between those calls. A
- * device reset destroys a context and its events: the next conversion sees another id and makes a
+ * event's state at cudaStreamWaitEvent time, so the event can be recorded again at once; the pool's
+ * lock, held from the record to the wait, keeps two conversions from sharing one between those calls
+ * (the GIL does not, on a free-threaded build). A device reset destroys a context and its events: the next conversion sees another id and makes a
  * new event. At most CDL_POOL_LIMIT are kept; past that the oldest entry is given up (not destroyed:
  * its context may be gone).
  * A capture's external wait is different: the graph keeps the event and waits, at each launch, on its
@@ -29,6 +29,21 @@ typedef struct {
 #define CDL_POOL_LIMIT 64
 static cdl_pool_entry cdl_event_pool[CDL_POOL_LIMIT];
 static int cdl_event_pool_used, cdl_event_pool_next;
+static cdl_lock cdl_event_pool_lock = CDL_LOCK_INITIALIZER;
+
+/* A runtime call that failed while the pool's lock was held, raised as CudaError once it is released:
+ * making an exception may run Python code (a collection, a finalizer), which may convert again. */
+typedef struct {
+    const char *call;
+    cudaError_t code;
+} cdl_failed_call;
+
+static int cdl_fail(cdl_failed_call *failed, const char *call, cudaError_t code)
+{
+    failed->call = call;
+    failed->code = code;
+    return -1;
+}
 
 static int cdl_env_flag(const char *name, int fallback)
 {
@@ -121,7 +136,7 @@ static int cdl_pool_key(const cdl_cudart *rt, const cdl_device_scope *scope, int
     return code == 0 ? 0 : cdl_raise_driver_error("cuCtxGetId", code);
 }
 
-/* The pool's entry for key (and the producer stream of an external wait, or 0), or NULL. */
+/* The pool's entry for key (and the producer stream of an external wait, or 0), or NULL. Lock held. */
 static cdl_pool_entry *cdl_pool_find(unsigned long long key, int64_t external_for)
 {
     for (int i = 0; i < cdl_event_pool_used; i++) {
@@ -131,8 +146,9 @@ static cdl_pool_entry *cdl_pool_find(unsigned long long key, int64_t external_fo
     return NULL;
 }
 
-/* The pool's event for key and external_for, made when there is none. */
-static int cdl_pooled_event(const cdl_cudart *rt, unsigned long long key, int64_t external_for, cudaEvent_t *event)
+/* The pool's event for key and external_for, made when there is none. Lock held. */
+static int cdl_pooled_event(const cdl_cudart *rt, unsigned long long key, int64_t external_for, cudaEvent_t *event,
+                            cdl_failed_call *failed)
 {
     cdl_pool_entry *entry = cdl_pool_find(key, external_for);
     if (entry != NULL) {
@@ -141,7 +157,7 @@ static int cdl_pooled_event(const cdl_cudart *rt, unsigned long long key, int64_
     }
     cudaError_t status = rt->event_create_with_flags(event, cudaEventDisableTiming);
     if (status != cudaSuccess)
-        return cdl_raise_cuda_error("cudaEventCreateWithFlags", status);
+        return cdl_fail(failed, "cudaEventCreateWithFlags", status);
     entry = &cdl_event_pool[cdl_event_pool_used < CDL_POOL_LIMIT ? cdl_event_pool_used++ : cdl_event_pool_next];
     cdl_event_pool_next = (cdl_event_pool_next + 1) % CDL_POOL_LIMIT;
     entry->key = key;
@@ -152,9 +168,9 @@ static int cdl_pooled_event(const cdl_cudart *rt, unsigned long long key, int64_
 
 /* Records event on the producer stream. A pooled event whose context was reset under the same id is a
  * dead handle: the record is tried once more with a new event, which replaces it in the pool only if
- * that record works (else the failure is the stream's, and the new event is destroyed: no leak). */
+ * that record works (else the failure is the stream's, and the new event is destroyed: no leak). Lock held. */
 static int cdl_record(const cdl_cudart *rt, unsigned long long key, int64_t external_for, int64_t producer,
-                      cudaEvent_t *event)
+                      cudaEvent_t *event, cdl_failed_call *failed)
 {
     cudaError_t status = rt->event_record(*event, (cudaStream_t)(uintptr_t)producer);
     if (status == cudaErrorInvalidResourceHandle || status == cudaErrorContextIsDestroyed) {
@@ -162,7 +178,7 @@ static int cdl_record(const cdl_cudart *rt, unsigned long long key, int64_t exte
         cudaEvent_t fresh;
         cudaError_t made = rt->event_create_with_flags(&fresh, cudaEventDisableTiming);
         if (made != cudaSuccess)
-            return cdl_raise_cuda_error("cudaEventCreateWithFlags", made);
+            return cdl_fail(failed, "cudaEventCreateWithFlags", made);
         cudaError_t again = rt->event_record(fresh, (cudaStream_t)(uintptr_t)producer);
         if (again == cudaSuccess) {
             cdl_pool_find(key, external_for)->event = *event = fresh;
@@ -171,14 +187,15 @@ static int cdl_record(const cdl_cudart *rt, unsigned long long key, int64_t exte
         (void)rt->get_last_error();
         (void)rt->event_destroy(fresh);
     }
-    return status == cudaSuccess ? 0 : cdl_raise_cuda_error("cudaEventRecord", status);
+    return status == cudaSuccess ? 0 : cdl_fail(failed, "cudaEventRecord", status);
 }
 
-/* Waits consumer on event (flags: cudaEventWaitExternal into a capture, else 0); 0 or -1 with CudaError. */
-static int cdl_wait(const cdl_cudart *rt, int64_t consumer, cudaEvent_t event, unsigned flags)
+/* Waits consumer on event (flags: cudaEventWaitExternal into a capture, else 0); 0 or -1. Lock held. */
+static int cdl_wait(const cdl_cudart *rt, int64_t consumer, cudaEvent_t event, unsigned flags,
+                    cdl_failed_call *failed)
 {
     cudaError_t status = rt->stream_wait_event((cudaStream_t)(uintptr_t)consumer, event, flags);
-    return status == cudaSuccess ? 0 : cdl_raise_cuda_error("cudaStreamWaitEvent", status);
+    return status == cudaSuccess ? 0 : cdl_fail(failed, "cudaStreamWaitEvent", status);
 }
 
 /* ---- graph capture -------------------------------------------------------------------------------
@@ -319,24 +336,32 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
     }
     if (entered != 0)
         return cdl_raise_scope_error(&scope);
-    int result = -1, external = 0;
+    int result = -1, external = 0, locked = 0, left;
     int64_t external_for = 0;
+    unsigned wait_flags = 0;
     unsigned long long key;
     cudaEvent_t event = NULL;
+    cdl_failed_call failed = {NULL, cudaSuccess};
     if (cdl_capture_of(rt, producer, &made) < 0 || (!wait_outside && cdl_capture_of(rt, consumer, &used) < 0) ||
-        cdl_capture_plan(producer, &made, consumer, &used, &external) < 0)
+        cdl_capture_plan(producer, &made, consumer, &used, &external) < 0 ||
+        cdl_pool_key(rt, &scope, arr->home_device, &key) < 0)
         goto done;
     external_for = external ? producer : 0;
-    if (cdl_pool_key(rt, &scope, arr->home_device, &key) < 0 || cdl_pooled_event(rt, key, external_for, &event) < 0 ||
-        cdl_record(rt, key, external_for, producer, &event) < 0)
-        goto done;
-    result = wait_outside ? 0 : cdl_wait(rt, consumer, event, external ? cudaEventWaitExternal : 0);
+    wait_flags = external ? cudaEventWaitExternal : 0;
+    cdl_lock_acquire(&cdl_event_pool_lock);
+    locked = 1;
+    if (cdl_pooled_event(rt, key, external_for, &event, &failed) == 0 &&
+        cdl_record(rt, key, external_for, producer, &event, &failed) == 0)
+        result = wait_outside ? 0 : cdl_wait(rt, consumer, event, wait_flags, &failed);
 done:
-    if (cdl_device_leave(rt, &scope) != 0 && result == 0)
-        result = cdl_raise_scope_error(&scope);
-    if (result == 0 && wait_outside)
-        result = cdl_wait(rt, consumer, event, external ? cudaEventWaitExternal : 0);
-    return result;
+    left = cdl_device_leave(rt, &scope) == 0;
+    if (result == 0 && left && wait_outside)
+        result = cdl_wait(rt, consumer, event, wait_flags, &failed);
+    if (locked)
+        cdl_lock_release(&cdl_event_pool_lock);
+    if (failed.call != NULL)
+        return cdl_raise_cuda_error(failed.call, failed.code);
+    return result == 0 && !left ? cdl_raise_scope_error(&scope) : result;
 }
 
 /* Refuses the legacy default stream of a device (device_type, device_id as DLPack gives them; the
@@ -403,7 +428,7 @@ PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
     (void)module;
     PyObject *names[] = {cdl_name.sync, cdl_name.export_stream};
     PyObject *values[] = {NULL, NULL};
-    int *options[] = {&cdl_option_sync, &cdl_option_export_stream};
+    _Atomic int *options[] = {&cdl_option_sync, &cdl_option_export_stream};
     if (cdl_parse_keywords("options", args, nargs, kwnames, 0, names, values, 2) < 0)
         return NULL;
     int chosen[2];

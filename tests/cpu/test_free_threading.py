@@ -1,0 +1,224 @@
+"""Free-threading: the state the C core shares between threads (the CUDA runtime table, the event pool, the
+CAI opt-out switches) hammered from many threads at once, with the GIL released where our code runs without
+it: the DLPack exchange API's allocator and the deleters of tensors, called here through ctypes, which drops
+the GIL around a foreign call. On a free-threaded CPython the module keeps the GIL off, so every Python thread
+here runs in parallel too; elsewhere the GIL serializes the Python-side calls and the rest still races."""
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+from cai_dlpack import DLPackShim, DLPackView, cai2dlpack, dlpack2cai, options
+from support.cai_objects import CaiArray, register
+from support.cuda_double import DEVICE, GLOBAL
+from support.dlpack_ctypes import (DLDataType, DLDevice, DLManagedTensorVersioned, DLTensor, _api, kDLCPU, kDLCUDA,
+                                   kDLCUDAHost, kDLCUDAManaged)
+
+FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+THREADS = 8
+
+SetError = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p)
+Allocator = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(DLTensor),
+                             ctypes.POINTER(ctypes.POINTER(DLManagedTensorVersioned)), ctypes.c_void_p, SetError)
+
+
+class ExchangeAPI(ctypes.Structure):
+    """dlpack.h's DLPackExchangeAPI; only the allocator is called here (the other calls need the GIL)."""
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32), ("prev_api", ctypes.c_void_p),
+                ("managed_tensor_allocator", Allocator), ("from_py_object", ctypes.c_void_p),
+                ("to_py_object", ctypes.c_void_p), ("dltensor_from_py_object", ctypes.c_void_p),
+                ("current_work_stream", ctypes.c_void_p)]
+
+
+def run_threads(work, count=THREADS):
+    """Runs work(i) on count threads started together; returns the exceptions they raised."""
+    errors, barrier = [], threading.Barrier(count)
+
+    def run(i):
+        barrier.wait()
+        try:
+            work(i)
+        except BaseException as error:  # reported on the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+def allocate(allocator, device_type, count):
+    """A float32 tensor of count elements from the exchange allocator, called without the GIL."""
+    refused = []
+    set_error = SetError(lambda _context, kind, message: refused.append((kind, message)))
+    shape = (ctypes.c_int64 * 1)(count)
+    prototype = DLTensor(ndim=1, dtype=DLDataType(2, 32, 1), device=DLDevice(device_type, 0),
+                         shape=ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)))
+    out = ctypes.POINTER(DLManagedTensorVersioned)()
+    assert allocator(ctypes.byref(prototype), ctypes.byref(out), None, set_error) == 0, refused
+    return out
+
+
+def exchange_allocator():
+    return ExchangeAPI.from_address(DLPackShim.__c_dlpack_exchange_api__).managed_tensor_allocator
+
+
+def test_the_module_keeps_the_gil_off():
+    """Importing the module leaves the GIL off on a free-threaded build: it declares Py_mod_gil not used (a module
+    that does not turns the GIL on for the whole process, with a RuntimeWarning)."""
+    if not FREE_THREADED:
+        pytest.skip("not a free-threaded CPython (3.13t, 3.14t): the GIL is always on here")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHON_GIL"}
+    result = subprocess.run([sys.executable, "-W", "error", "-c", "import cai_dlpack, sys; print(sys._is_gil_enabled())"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_threads_racing_to_load_the_runtime_without_the_gil_share_one():
+    """A fresh process whose first calls into us are the exchange allocator on eight threads at once (no GIL held):
+    every one loads, or waits for, one runtime, and every tensor is made and freed."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = {sys.path!r}
+        import ctypes
+        import cai_dlpack
+        from test_free_threading import allocate, exchange_allocator, run_threads
+        allocator = exchange_allocator()
+        made = []
+
+        def work(i):
+            for round in range(20):
+                out = allocate(allocator, {kDLCUDA} if (i + round) % 2 else {kDLCUDAManaged}, 64)
+                ctypes.memset(out.contents.dl_tensor.data, i, 256)
+                made.append(ctypes.string_at(out.contents.dl_tensor.data, 256) == bytes([i]) * 256)
+                out.contents.deleter(out)
+
+        errors = run_threads(work)
+        assert errors == [], errors
+        print(len(made), all(made), cai_dlpack.cuda_runtime_info()["path"])
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(__file__))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(THREADS * 20), "True", os.environ["CAI_DLPACK_CUDART"]]
+
+
+def test_record_and_wait_of_the_shared_event_are_never_split(cudart):
+    """Every thread orders its own producer stream before its own consumer stream through the one pooled event of
+    the context: a consumer's wait always follows the record on its own producer, never another thread's."""
+    host = np.arange(256, dtype=np.float32)
+    register(cudart, host, DEVICE)
+    producer = {0x9000 + 16 * i: 0x5000 + 16 * i for i in range(THREADS)}  # consumer -> its producer
+    objects = [CaiArray(host, stream=0x5000 + 16 * i) for i in range(THREADS)]
+    events_before = cudart.events_created
+    cudart.clear_log()
+
+    def work(i):
+        consumer = 0x9000 + 16 * i
+        for round in range(300):
+            if round % 3 == 0:
+                view = dlpack2cai(DLPackShim(objects[i]), stream=consumer)
+                assert view.__cuda_array_interface__["stream"] == consumer
+            else:
+                cai2dlpack(objects[i], stream=consumer, max_version=(1, 0))
+
+    assert run_threads(work) == []
+    last_record, checked = {}, 0
+    for line in cudart.log():
+        record = re.fullmatch(r"cudaEventRecord\(ev(\d+), (\d+)\)", line)
+        wait = re.fullmatch(r"cudaStreamWaitEvent\((\d+), ev(\d+), 0\)", line)
+        if record:
+            last_record[record[1]] = int(record[2])
+        elif wait:
+            assert last_record[wait[2]] == producer[int(wait[1])], line
+            checked += 1
+    assert checked > 100  # as far as the double's log reaches
+    assert cudart.events_created - events_before <= 1 and cudart.current_device == 0 and cudart.context_device == 0
+
+
+def test_external_waits_from_many_threads_keep_one_event_per_producer(cudart):
+    """Threads join one capture from 96 producer streams, more than the pool keeps: entries are made and given up
+    concurrently, an external wait's event is only ever recorded on its own producer, and the capture stays whole."""
+    host = np.arange(64, dtype=np.float32)
+    register(cudart, host, DEVICE)
+    consumer = 0x6000
+    capture = cudart.begin_capture(consumer, 0, GLOBAL)
+    cudart.clear_log()
+
+    def work(i):
+        for round in range(4):
+            for j in range(12):
+                cai2dlpack(CaiArray(host, stream=0x20000 + 64 * i + j), stream=consumer)
+
+    assert run_threads(work) == []
+    recorded_on = {}
+    for line in cudart.log():
+        record = re.fullmatch(r"cudaEventRecord\(ev(\d+), (\d+)\)", line)
+        if record:
+            assert recorded_on.setdefault(record[1], record[2]) == record[2], line
+    assert len(recorded_on) > 64  # given-up entries were made again
+    assert cudart.end_capture(capture) and cudart.violations == 0
+
+
+def test_allocator_and_deleters_without_the_gil_beside_conversions(cudart):
+    """Threads make and free tensors through the allocator and run our exports' deleters with the GIL released,
+    while others convert: every tensor is usable, every reference an export held is released."""
+    allocator = exchange_allocator()
+    owner = np.arange(32.0)
+    base = sys.getrefcount(owner)
+    kinds = [kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged]
+    _api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+    def work(i):
+        for round in range(150):
+            if i % 2:
+                out = allocate(allocator, kinds[(i + round) % 4], 16)
+                ctypes.memset(out.contents.dl_tensor.data, 7, 64)
+                assert ctypes.string_at(out.contents.dl_tensor.data, 64) == b"\x07" * 64
+                out.contents.deleter(out)
+            else:
+                capsule = cai2dlpack(owner, max_version=(1, 0))
+                address = _api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+                _api.PyCapsule_SetName(capsule, b"used_dltensor_versioned")  # consumed: the deleter is ours to run
+                managed = DLManagedTensorVersioned.from_address(address)
+                managed.deleter(ctypes.pointer(managed))
+                assert np.asarray(dlpack2cai(owner))[3] == 3.0
+
+    assert run_threads(work) == []
+    assert sys.getrefcount(owner) == base
+    assert cudart.current_device == 0 and cudart.context_device == 0
+
+
+def test_options_change_while_other_threads_convert(cudart):
+    """One thread flips the CAI opt-outs while others export views' interfaces and order streams: each read sees
+    one setting or the other, never anything else."""
+    host = np.arange(16, dtype=np.float32)
+    register(cudart, host, DEVICE)
+    view = dlpack2cai(DLPackShim(CaiArray(host, stream=0x5000)), stream=0x9000)
+    before = options()
+    assert isinstance(view, DLPackView)
+
+    def work(i):
+        for round in range(2000):
+            if i == 0:
+                options(sync=bool(round % 2), export_stream=bool(round % 3))
+            elif i % 2:
+                assert view.__cuda_array_interface__["stream"] in (None, 0x9000)
+            else:
+                cai2dlpack(CaiArray(host, stream=0x5000), stream=0x9000 + i)
+
+    try:
+        assert run_threads(work, count=4) == []
+    finally:
+        options(**before)
+    assert options() == before
