@@ -62,8 +62,32 @@ static char cdl_supported_text[32 * CDL_DTYPE_COUNT];
 #define CDL_FOREIGN_BYTE_ORDER '>'
 #endif
 
+/* The row of each (kind letter, item size 1 to 16 as its log2) with a typestr of its own: derived from the
+ * table at init, so a typestr costs an index, not a scan. -1: none. */
+static signed char cdl_row_of_kind[26][5];
+
+/* log2 of an item size the index holds (1, 2, 4, 8, 16), else -1. */
+static int cdl_size_slot(Py_ssize_t itemsize)
+{
+    switch (itemsize) {
+    case 1: return 0;
+    case 2: return 1;
+    case 4: return 2;
+    case 8: return 3;
+    case 16: return 4;
+    default: return -1;
+    }
+}
+
 int cdl_dtype_init(void)
 {
+    memset(cdl_row_of_kind, -1, sizeof(cdl_row_of_kind));
+    for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
+        int slot = cdl_size_slot(cdl_dtype_table[i].itemsize);
+        char kind = cdl_dtype_table[i].kind;
+        if (kind >= 'a' && kind <= 'z' && slot >= 0 && cdl_row_of_kind[kind - 'a'][slot] < 0)
+            cdl_row_of_kind[kind - 'a'][slot] = (signed char)i;
+    }
     for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
         cdl_typestr_objects[i] = PyUnicode_InternFromString(cdl_dtype_table[i].typestr);
         if (cdl_typestr_objects[i] == NULL)
@@ -89,16 +113,14 @@ int cdl_dtype_init(void)
  * when there is none. */
 static int cdl_dtype_from_kind(char kind, Py_ssize_t itemsize, DLDataType *out)
 {
-    for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
-        const cdl_dtype_entry *entry = &cdl_dtype_table[i];
-        if (entry->kind == kind && entry->itemsize == itemsize && kind != 'V') {
-            out->code = entry->code;
-            out->bits = entry->bits;
-            out->lanes = 1;
-            return 0;
-        }
-    }
-    return -1;
+    int slot = cdl_size_slot(itemsize);
+    int row = kind >= 'a' && kind <= 'z' && slot >= 0 ? cdl_row_of_kind[kind - 'a'][slot] : -1;
+    if (row < 0)
+        return -1;
+    out->code = cdl_dtype_table[row].code;
+    out->bits = cdl_dtype_table[row].bits;
+    out->lanes = 1;
+    return 0;
 }
 
 /* The table row of dtype, or -1 when the table has none. */
@@ -129,8 +151,10 @@ static int cdl_split_typestr(PyObject *typestr, const char *where, char *kind, i
         return -1;
     }
     Py_ssize_t length;
-    const char *text = PyUnicode_AsUTF8AndSize(typestr, &length);
-    if (text == NULL)
+    /* Every valid typestr is ASCII, whose characters are its own bytes: no UTF-8 conversion to ask for. */
+    const char *text = PyUnicode_IS_COMPACT_ASCII(typestr) ? (const char *)PyUnicode_DATA(typestr) : NULL;
+    length = text ? PyUnicode_GET_LENGTH(typestr) : 0;
+    if (text == NULL && (text = PyUnicode_AsUTF8AndSize(typestr, &length)) == NULL)
         return -1;
     if (length < 3 || length > 4)
         goto unsupported;

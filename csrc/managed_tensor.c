@@ -49,25 +49,29 @@ typedef struct {
     int64_t dims[];
 } cdl_export_block;
 
+/* The block's references and memory, under the GIL (Python's allocator made it: small, and fast). */
+static void cdl_free_block(cdl_export_block *block)
+{
+    Py_XDECREF(block->owner);
+    Py_XDECREF(block->keepalive);
+    PyMem_Free(block);
+}
+
 /* Runs on any thread, with or without the GIL, possibly during interpreter shutdown. */
 static void cdl_release_block(cdl_export_block *block)
 {
     if (Py_IsInitialized() && !cdl_interpreter_finalizing()) {
         if (PyGILState_Check()) {
-            /* The common case: a capsule or view dying under the GIL. */
-            Py_XDECREF(block->owner);
-            Py_XDECREF(block->keepalive);
+            cdl_free_block(block); /* the common case: a capsule or view dying under the GIL */
         }
         else {
             PyGILState_STATE state = PyGILState_Ensure();
-            Py_XDECREF(block->owner);
-            Py_XDECREF(block->keepalive);
+            cdl_free_block(block);
             PyGILState_Release(state);
         }
     }
-    /* Otherwise the interpreter is gone or going: its objects must not be touched, so the
-     * references are left behind with it. */
-    PyMem_RawFree(block);
+    /* Otherwise the interpreter is gone or going: its objects and its allocator must not be touched, so
+     * the block and its references are left behind with it (the process is ending). */
 }
 
 static void cdl_delete_legacy(DLManagedTensor *self) { cdl_release_block(self->manager_ctx); }
@@ -78,7 +82,7 @@ cdl_managed cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObje
 {
     cdl_managed managed = {NULL, versioned};
     size_t ndim = (size_t)arr->ndim;
-    cdl_export_block *block = PyMem_RawMalloc(sizeof(cdl_export_block) + 2 * ndim * sizeof(int64_t));
+    cdl_export_block *block = PyMem_Malloc(sizeof(cdl_export_block) + 2 * ndim * sizeof(int64_t));
     if (block == NULL) {
         PyErr_NoMemory();
         return managed;
@@ -140,9 +144,7 @@ static void cdl_capsule_destructor(PyObject *capsule)
     if (deleter == (void *)cdl_delete_legacy || deleter == (void *)cdl_delete_versioned) {
         cdl_export_block *block = managed.versioned ? ((DLManagedTensorVersioned *)managed.pointer)->manager_ctx
                                                     : ((DLManagedTensor *)managed.pointer)->manager_ctx;
-        Py_XDECREF(block->owner);
-        Py_XDECREF(block->keepalive);
-        PyMem_RawFree(block);
+        cdl_free_block(block);
         return;
     }
     cdl_managed_delete(&managed);
