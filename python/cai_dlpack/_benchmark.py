@@ -32,15 +32,28 @@ def measure(call, repeat=21, target_seconds=0.005):
 
 
 class Holder:
-    """An object whose __array_interface__ is a ready dict: what a converter reads, and nothing else."""
+    """An object whose __array_interface__ is a ready dict: what a converter reads, and nothing else. The dict
+    is NumPy's own, descr included (every real producer's dict has keys a converter does not need)."""
 
-    def __init__(self, array, strides=True):
+    def __init__(self, array, strides=True, iface=None):
         self.array = array
-        iface = dict(array.__array_interface__)
+        iface = dict(array.__array_interface__ if iface is None else iface)
         if not strides:
             iface["strides"] = None
-        iface.pop("descr", None)
         self.__array_interface__ = iface
+
+
+def producer_dicts(array):
+    """The interface dicts real producers build for array's memory, keys in their order: NumPy's
+    __array_interface__, and the keys CuPy's and Numba's __cuda_array_interface__ carry (here describing host
+    memory, read as an array interface: this machine has no GPU)."""
+    numpy_dict = dict(array.__array_interface__)
+    pointer = (array.ctypes.data, False)
+    cupy_dict = {"shape": array.shape, "typestr": array.dtype.str, "descr": array.dtype.descr, "stream": 1,
+                 "version": 3, "strides": None, "data": pointer}
+    numba_dict = {"shape": array.shape, "strides": None, "data": pointer, "typestr": array.dtype.str,
+                  "stream": 1, "version": 3}
+    return {"NumPy's": numpy_dict, "CuPy's keys": cupy_dict, "Numba's keys": numba_dict}
 
 
 def cpu_groups(np, torch=None, extra=None, short=False):
@@ -51,15 +64,19 @@ def cpu_groups(np, torch=None, extra=None, short=False):
     holder = Holder(x)
     # Timed as statements, so every row pays the same (a call expression, no lambda frame).
     names = {"cai2dlpack": cai2dlpack, "holder": holder, "x": x}
-    converter = [("cai2dlpack(ready dict)", ("cai2dlpack(holder)", names)),
-                 ("cai2dlpack(x): a NumPy array, read through its buffer", ("cai2dlpack(x)", names)),
-                 ("NumPy x.__dlpack__()", ("x.__dlpack__()", names))]
+    converter = []
+    for which, iface in producer_dicts(x).items():
+        names[f"h{len(converter)}"] = Holder(x, iface=iface)
+        converter.append((f"cai2dlpack(ready dict): {which} dict", (f"cai2dlpack(h{len(converter)})", names)))
+    converter += [("cai2dlpack(x): a NumPy array, read through its buffer", ("cai2dlpack(x)", names)),
+                  ("NumPy x.__dlpack__()", ("x.__dlpack__()", names))]
     converter += list((extra or {}).get("converter", []))
-    groups = [("converter alone, 2-d float32", (extra or {}).get("converter_reference", "NumPy x.__dlpack__()"),
-               converter)]
+    groups = [("converter alone, 2-d float32", "NumPy x.__dlpack__()", converter)]
     if torch is not None:
         groups.append(("NumPy array -> torch tensor", "torch.from_dlpack(x)", [
             ("torch.from_dlpack(DLPackShim(x))", lambda: torch.from_dlpack(DLPackShim(x))),
+            ("torch.from_dlpack(DLPackShim(obj)), obj with a ready dict (NumPy's)",
+             lambda: torch.from_dlpack(DLPackShim(holder))),
             ("torch.from_dlpack(x)", lambda: torch.from_dlpack(x)),
             ("torch.from_numpy(x)", lambda: torch.from_numpy(x)),
             ("(not on the shim's path: it reads the buffer) NumPy builds x.__array_interface__",

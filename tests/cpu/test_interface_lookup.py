@@ -1,0 +1,72 @@
+"""Where cai2dlpack finds an object's interface: the same answer as Python's attribute lookup, whichever way
+it is asked (a plain holder's instance dict is read directly; anything with hooks or type-level attributes
+goes through getattr)."""
+import numpy as np
+import pytest
+
+from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai
+from support.cai_objects import register
+from support.cuda_double import DEVICE
+
+
+class Plain:
+    pass
+
+
+class Hooked:
+    def __init__(self, iface):
+        self.iface = iface
+
+    def __getattr__(self, name):
+        if name == "__array_interface__":
+            return self.iface
+        raise AttributeError(name)
+
+
+class Slotted:
+    __slots__ = ("__array_interface__",)
+
+
+class TypeLevel:
+    def __init__(self, iface):
+        self.iface = iface
+
+    @property
+    def __array_interface__(self):
+        return self.iface
+
+
+def holder(kind, iface):
+    if kind in (Hooked, TypeLevel):
+        return kind(iface)
+    made = kind()
+    made.__array_interface__ = iface
+    return made
+
+
+@pytest.mark.parametrize("kind", [Plain, Hooked, Slotted, TypeLevel])
+def test_every_way_of_holding_an_interface_is_read(kind):
+    x = np.arange(6.0).reshape(2, 3)
+    view = dlpack2cai(cai2dlpack(holder(kind, dict(x.__array_interface__))))
+    assert view.__array_interface__["data"][0] == x.ctypes.data
+    np.testing.assert_array_equal(np.asarray(view), x)
+
+
+def test_an_instance_cai_wins_over_an_instance_array_interface(cudart):
+    device, host = np.zeros(4, dtype=np.float32), np.zeros(3)
+    register(cudart, device, DEVICE)
+    both = Plain()
+    both.__array_interface__ = dict(host.__array_interface__)
+    both.__cuda_array_interface__ = dict(device.__array_interface__, version=3, stream=None)
+    view = dlpack2cai(cai2dlpack(both))
+    assert view.device == (2, 0) and view.shape == (4,)
+
+
+def test_a_holder_that_loses_its_interface_is_refused():
+    x = np.arange(3.0)
+    made = holder(Plain, dict(x.__array_interface__))
+    cai2dlpack(made)
+    del made.__array_interface__
+    for convert in (cai2dlpack, lambda o: DLPackShim(o).__dlpack__()):
+        with pytest.raises(TypeError, match="Plain has neither __cuda_array_interface__ nor __array_interface__"):
+            convert(made)
