@@ -235,6 +235,31 @@ static PyObject *cdl_call_dlpack(PyObject *obj, PyObject *stream)
     return capsule;
 }
 
+/* Asking a producer for the legacy stream while a blocking stream of its device captures a graph makes it
+ * order its work against that stream, which invalidates the capture: refused before it is asked. The
+ * common case costs one capture query of the current device (none without a loaded runtime); the
+ * producer's device is asked only while a capture runs. 0, or -1 with CudaError (or the device call's). */
+static int cdl_refuse_legacy_stream_for(PyObject *obj)
+{
+    int unusable = cdl_legacy_stream_unusable();
+    if (unusable <= 0)
+        return unusable;
+    PyObject *device = PyObject_CallMethodNoArgs(obj, cdl_name.dlpack_device);
+    if (device == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear(); /* no device to ask about: __dlpack__ decides */
+        return 0;
+    }
+    int type = -1, id = 0;
+    if (!PyTuple_Check(device) || !PyArg_ParseTuple(device, "ii", &type, &id))
+        PyErr_Clear(); /* __dlpack__'s reader names a malformed device */
+    Py_DECREF(device);
+    if (type != kDLCUDA && type != kDLCUDAHost && type != kDLCUDAManaged)
+        return 0;
+    return cdl_check_legacy_stream((DLDeviceType)type, id, "dlpack2cai's stream (None) is");
+}
+
 PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream, int exchange)
 {
     int64_t consumer;
@@ -243,6 +268,8 @@ PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream, int exchange)
     PyObject *view;
     if (exchange && !PyCapsule_CheckExact(obj) && cdl_view_from_exchange_api(obj, consumer, &view) != 0)
         return view;
+    if (consumer == CDL_STREAM_LEGACY && !PyCapsule_CheckExact(obj) && cdl_refuse_legacy_stream_for(obj) < 0)
+        return NULL;
     /* A producer is asked with the array API's int, also for a stream object the caller gave. */
     PyObject *as_int = stream == NULL || stream == Py_None || PyLong_Check(stream) ? Py_XNewRef(stream)
                                                                                   : PyLong_FromLongLong(consumer);

@@ -366,7 +366,7 @@ done:
 
 /* Refuses the legacy default stream of a device (device_type, device_id as DLPack gives them; the
  * caller's device for pinned and managed memory) while a blocking stream there captures a graph. */
-static int cdl_check_legacy_stream(DLDeviceType device_type, int32_t device_id, const char *what)
+int cdl_check_legacy_stream(DLDeviceType device_type, int32_t device_id, const char *what)
 {
     const cdl_cudart *rt = cdl_cudart_get();
     if (rt == NULL)
@@ -413,6 +413,17 @@ int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out)
     if (enter && cdl_device_leave(rt, &scope) != 0 && result == 0)
         result = cdl_raise_scope_error(&scope);
     return result;
+}
+
+int cdl_legacy_stream_unusable(void)
+{
+    const cdl_cudart *rt = cdl_cudart_loaded();
+    if (rt == NULL)
+        return 0; /* no runtime loaded: nobody in this process captures through it */
+    cdl_capture legacy;
+    if (cdl_capture_of(rt, CDL_STREAM_LEGACY, &legacy) < 0)
+        return -1;
+    return legacy.state == CDL_CAPTURE_LEGACY_UNUSABLE;
 }
 
 int cdl_current_work_stream(DLDeviceType device_type, int32_t device_id, void **out)
