@@ -88,6 +88,10 @@ def test_dlpack2cai_stream_pairs(cudart, device_array, producer, consumer):
     """dlpack2cai asks the producer for data ready on the consumer stream and exports that stream."""
     view = dlpack2cai(DLPackShim(CaiArray(device_array, stream=producer)), stream=consumer)
     calls = ordering_calls(cudart.log())
+    if consumer in (None, 1):
+        # Before the producer is asked for the legacy stream: is a capture making it unusable? (one query)
+        assert calls[0] == "cudaStreamGetCaptureInfo(1) -> none"
+        calls = calls[1:]
     assert strip_event_ids(calls) == expected_calls(producer, consumer, 2, 0)
     assert not any(call.startswith(BLOCKING) for call in cudart.log())
     exported = view.__cuda_array_interface__["stream"]
