@@ -184,6 +184,45 @@ def test_host_is_not_blocked_while_producer_is_busy():
     assert float(cupy.asarray(view).sum()) == x.size
 
 
+class SpyTensor(torch.Tensor):
+    """A torch tensor whose __dlpack__ must not be called: dlpack2cai takes it through torch's exchange API."""
+
+    def __dlpack__(self, *args, **kwargs):
+        raise AssertionError("__dlpack__ was called although torch.Tensor publishes an exchange table")
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_torch_work_stream_is_ordered_through_the_exchange_api(sync):
+    """torch writes on a non-default current stream; dlpack2cai takes the tensor through torch's table (no sync
+    of its own) and orders torch's current stream before CuPy's consumer stream. With ordering off the CuPy
+    reduction reads before torch's write: the race is real."""
+    spin = cupy.RawKernel(SPIN_KERNEL, "spin")
+    spin((1,), (1,), (np.int64(1),))
+    consumer = cupy.cuda.Stream(non_blocking=True)
+    x = torch.zeros(1 << 20, device="cuda")
+    with consumer:
+        cupy.asarray(dlpack2cai(x, stream=-1)).sum()  # load CuPy's reduction first: a module load would serialize
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with cupy.cuda.ExternalStream(side.cuda_stream):
+            spin((1,), (1,), (np.int64(200_000_000),))
+        x.fill_(1)
+        try:
+            cai_dlpack.options(sync=sync)
+            view = dlpack2cai(x.as_subclass(SpyTensor), stream=consumer.ptr)  # torch's current stream: side
+        finally:
+            cai_dlpack.options(sync=True)
+    with consumer:
+        total = cupy.asarray(view).sum()
+    consumer.synchronize()
+    torch.cuda.synchronize()
+    if sync:
+        assert float(total) == x.numel()
+    else:
+        assert float(total) < x.numel()
+
+
 def test_dlpack2cai_exports_the_consumer_stream():
     consumer = cupy.cuda.Stream(non_blocking=True)
     t = torch.ones(1 << 16, device="cuda")
