@@ -489,32 +489,27 @@ int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array 
     PyObject *iface;
     cdl_source source = CDL_SOURCE_CAI;
     int found = cdl_instance_interface(obj, &iface, &source);
+    if (found == -2) {
+        found = cdl_lookup_attribute(obj, cdl_name.cuda_array_interface, &iface);
+        if (found == 0) {
+            if (requested == NULL && cdl_has_native_array_buffer(obj)) {
+                *keepalive = NULL;
+                int read = cdl_array_from_buffer(obj, out, keepalive);
+                if (read != 0)
+                    return read < 0 ? -1 : 0;
+            }
+            source = CDL_SOURCE_ARRAY_INTERFACE;
+            found = cdl_lookup_attribute(obj, cdl_name.array_interface, &iface);
+        }
+    }
+    if (found < 0)
+        return -1;
     if (found == 0) {
         PyErr_Format(PyExc_TypeError,
                      "object of type %.200s has neither __cuda_array_interface__ nor __array_interface__",
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
-    if (found == -2)
-        found = cdl_lookup_attribute(obj, cdl_name.cuda_array_interface, &iface);
-    if (found == 0) {
-        if (requested == NULL && cdl_has_native_array_buffer(obj)) {
-            *keepalive = NULL;
-            int read = cdl_array_from_buffer(obj, out, keepalive);
-            if (read != 0)
-                return read < 0 ? -1 : 0;
-        }
-        source = CDL_SOURCE_ARRAY_INTERFACE;
-        found = cdl_lookup_attribute(obj, cdl_name.array_interface, &iface);
-        if (found == 0) {
-            PyErr_Format(PyExc_TypeError,
-                         "object of type %.200s has neither __cuda_array_interface__ nor __array_interface__",
-                         Py_TYPE(obj)->tp_name);
-            return -1;
-        }
-    }
-    if (found < 0)
-        return -1;
     int status = cdl_array_from_interface(iface, source, obj, requested, out, keepalive);
     Py_DECREF(iface);
     return status;

@@ -255,7 +255,7 @@ static int cdl_refuse_legacy_stream_for(PyObject *obj)
     if (!PyTuple_Check(device) || !PyArg_ParseTuple(device, "ii", &type, &id))
         PyErr_Clear(); /* __dlpack__'s reader names a malformed device */
     Py_DECREF(device);
-    if (type != kDLCUDA && type != kDLCUDAHost && type != kDLCUDAManaged)
+    if (type < 0 || !cdl_device_accessible((DLDeviceType)type))
         return 0;
     return cdl_check_legacy_stream((DLDeviceType)type, id, "dlpack2cai's stream (None) is");
 }

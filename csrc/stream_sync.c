@@ -386,15 +386,10 @@ int cdl_check_legacy_stream(DLDeviceType device_type, int32_t device_id, const c
     return result;
 }
 
-static int cdl_is_cuda_memory(DLDeviceType device_type)
-{
-    return device_type == kDLCUDA || device_type == kDLCUDAHost || device_type == kDLCUDAManaged;
-}
-
 int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out)
 {
     *out = stream;
-    if (stream == 0 || !cdl_is_cuda_memory(device.device_type))
+    if (stream == 0 || !cdl_device_accessible(device.device_type))
         return 0;
     const cdl_cudart *rt = cdl_cudart_get();
     if (rt == NULL)
@@ -429,7 +424,7 @@ int cdl_legacy_stream_unusable(void)
 int cdl_current_work_stream(DLDeviceType device_type, int32_t device_id, void **out)
 {
     *out = NULL; /* the legacy default stream */
-    if (!cdl_is_cuda_memory(device_type))
+    if (!cdl_device_accessible(device_type))
         return 0;
     return cdl_check_legacy_stream(device_type, device_id, "the exchange API's work stream is");
 }
