@@ -148,7 +148,7 @@ static inline int cdl_extent_fits(uintptr_t address, int64_t low, int64_t high)
 typedef struct {
     PyObject *shape, *typestr, *data, *strides, *version, *mask, *stream, *offset, *descr;
     PyObject *cuda_array_interface, *array_interface, *dlpack, *dlpack_device;
-    PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream, *dtype, *name, *cuda_stream;
+    PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream, *dtype, *name, *cuda_stream, *obj;
     PyObject *exchange_api, *exchange_api_address; /* DLPack 1.3's capsule and 1.2's int on a type */
     PyObject *requires_grad, *is_conj, *is_neg;     /* what torch's __dlpack__ checks and its table does not */
 } cdl_names;

@@ -305,7 +305,7 @@ int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *o
     size_t length = strlen(format);
     for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
         const char *known = cdl_dtype_table[i].format;
-        if (strcmp(known, format) == 0 && cdl_dtype_table[i].itemsize == itemsize)
+        if (known[0] == format[0] && strcmp(known, format) == 0 && cdl_dtype_table[i].itemsize == itemsize)
             return cdl_dtype_from_kind(cdl_dtype_table[i].kind, itemsize, out);
     }
     /* Formats of C's integer types whose size the table's fixed-size formats also cover: the size

@@ -29,6 +29,7 @@ int cdl_names_init(void)
         {&cdl_name.dl_device, "dl_device"},
         {&cdl_name.copy, "copy"},
         {&cdl_name.owner, "owner"},
+        {&cdl_name.obj, "obj"},
         {&cdl_name.sync, "sync"},
         {&cdl_name.export_stream, "export_stream"},
         {&cdl_name.dtype, "dtype"},

@@ -29,12 +29,8 @@ void cdl_shim_drop_reading(cdl_shim *shim) { cdl_reading_free(cdl_shim_take_read
 
 static PyObject *cdl_host_device; /* (kDLCPU, 0) */
 
-static PyObject *cdl_shim_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+static PyObject *cdl_shim_make(PyTypeObject *type, PyObject *obj, PyObject *dtype)
 {
-    PyObject *obj, *dtype = Py_None;
-    static char *keywords[] = {"obj", "dtype", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$O:DLPackShim", keywords, &obj, &dtype))
-        return NULL;
     if (PyDict_Check(obj)) {
         PyErr_SetString(PyExc_TypeError,
                         "DLPackShim wraps an object that owns its memory, not a bare interface dict; use "
@@ -42,7 +38,7 @@ static PyObject *cdl_shim_new(PyTypeObject *type, PyObject *args, PyObject *kwar
         return NULL;
     }
     DLDataType requested = {0, 0, 0};
-    if (dtype != Py_None && cdl_dtype_from_request(dtype, &requested) < 0)
+    if (dtype != NULL && dtype != Py_None && cdl_dtype_from_request(dtype, &requested) < 0)
         return NULL;
     cdl_shim *self = (cdl_shim *)type->tp_alloc(type, 0);
     if (self != NULL) {
@@ -50,6 +46,44 @@ static PyObject *cdl_shim_new(PyTypeObject *type, PyObject *args, PyObject *kwar
         self->dtype = requested;
     }
     return (PyObject *)self;
+}
+
+/* Subclasses are made here (tp_vectorcall is not inherited). */
+static PyObject *cdl_shim_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *obj, *dtype = Py_None;
+    static char *keywords[] = {"obj", "dtype", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$O:DLPackShim", keywords, &obj, &dtype))
+        return NULL;
+    return cdl_shim_make(type, obj, dtype);
+}
+
+/* DLPackShim(obj) itself, which every shim conversion pays for: no argument tuple, no format string. */
+static PyObject *cdl_shim_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs == 1 && kwnames == NULL)
+        return cdl_shim_make((PyTypeObject *)type, args[0], NULL);
+    if (nargs > 1) {
+        PyErr_Format(PyExc_TypeError, "DLPackShim() takes at most 1 positional argument (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *names[] = {cdl_name.obj, cdl_name.dtype};
+    PyObject *values[2] = {NULL, NULL};
+    if (cdl_parse_keywords("DLPackShim", args, nargs, kwnames, nargs, names, values, 2) < 0)
+        return NULL;
+    if (nargs == 1) {
+        if (values[0] != NULL) {
+            PyErr_SetString(PyExc_TypeError, "argument for DLPackShim() given by name ('obj') and position (1)");
+            return NULL;
+        }
+        values[0] = args[0];
+    }
+    if (values[0] == NULL) {
+        PyErr_SetString(PyExc_TypeError, "DLPackShim() missing required argument 'obj' (pos 1)");
+        return NULL;
+    }
+    return cdl_shim_make((PyTypeObject *)type, values[0], values[1]);
 }
 
 static int cdl_shim_traverse(cdl_shim *self, visitproc visit, void *arg)
@@ -189,6 +223,7 @@ PyTypeObject cdl_shim_type = {
     .tp_methods = cdl_shim_methods,
     .tp_getset = cdl_shim_getset,
     .tp_new = cdl_shim_new,
+    .tp_vectorcall = cdl_shim_vectorcall,
 };
 
 int cdl_shim_type_init(void)

@@ -214,6 +214,38 @@ def test_positional_and_keyword_errors_of_functions():
         DLPackView()
 
 
+SHIM_ARGUMENT_ERRORS = [
+    ((), {}, "missing required argument 'obj'"),
+    ((), {"dtype": "float32"}, "missing required argument 'obj'"),
+    ((np.arange(2), np.arange(2)), {}, "takes at most 1 positional argument"),
+    ((np.arange(2),), {"obj": np.arange(2)}, "by name .'obj'. and position"),
+    ((np.arange(2),), {"dtypes": "float32"}, "keyword argument.*'dtypes'|'dtypes'.*keyword argument"),
+    (({},), {}, "not a bare interface dict"),
+]
+
+
+class ShimSubclass(DLPackShim):
+    """Made through tp_new (a subclass does not inherit the type's vectorcall)."""
+
+
+@pytest.mark.parametrize("shim_type", [DLPackShim, ShimSubclass])
+@pytest.mark.parametrize("args,kwargs,message", SHIM_ARGUMENT_ERRORS, ids=[m for _, _, m in SHIM_ARGUMENT_ERRORS])
+def test_shim_constructor_argument_errors(shim_type, args, kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        shim_type(*args, **kwargs)
+
+
+@pytest.mark.parametrize("shim_type", [DLPackShim, ShimSubclass])
+def test_shim_constructor_takes_obj_and_dtype_by_position_or_name(shim_type):
+    x = np.arange(3, dtype=np.uint16)
+    for shim in (shim_type(x), shim_type(obj=x), shim_type(x, dtype=None), shim_type(dtype="float16", obj=x)):
+        assert type(shim) is shim_type and shim.obj is x
+    assert np.from_dlpack(shim_type(x, dtype="float16")).dtype == np.float16
+    assert np.from_dlpack(shim_type(obj=x)).dtype == np.uint16
+    with pytest.raises(ValueError, match="dtype=float32 has 4-byte items but .* '<u2' has 2-byte items"):
+        shim_type(obj=x, dtype="float32").__dlpack__()
+
+
 # ---- DLPack -> CAI refusals -------------------------------------------------------------------------
 
 def test_not_a_dlpack_source():
