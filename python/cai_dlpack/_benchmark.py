@@ -16,19 +16,45 @@ extern "C" __global__ void spin(long long nanoseconds) {
 """
 
 
-def measure(call, repeat=21, target_seconds=0.005):
-    """ns per call: median, min and max over repeat samples of many calls each. call is a callable, or a
-    (statement, namespace) pair timed as written, with no wrapping function's frame in each call."""
-    timer = timeit.Timer(call[0], globals=call[1]) if isinstance(call, tuple) else timeit.Timer(call)
+def _timer(call):
+    """call is a callable, or a (statement, namespace) pair timed as written, with no wrapping function's
+    frame in each call."""
+    return timeit.Timer(call[0], globals=call[1]) if isinstance(call, tuple) else timeit.Timer(call)
+
+
+def _calls_per_sample(timer, target_seconds):
     number = 1
     while True:
         elapsed = timer.timeit(number=number)
         if elapsed >= target_seconds / 4 or number >= 1 << 22:
             break
         number *= 4
-    number = max(1, int(number * target_seconds / max(elapsed, 1e-9)))
-    samples = [t / number * 1e9 for t in timer.repeat(repeat=repeat, number=number)]
+    return max(1, int(number * target_seconds / max(elapsed, 1e-9)))
+
+
+def _stats(samples, number):
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "calls": number}
+
+
+def measure(call, repeat=21, target_seconds=0.005):
+    """ns per call: median, min and max over repeat samples of many calls each."""
+    timer = _timer(call)
+    number = _calls_per_sample(timer, target_seconds)
+    return _stats([t / number * 1e9 for t in timer.repeat(repeat=repeat, number=number)], number)
+
+
+def measure_together(calls, repeat=21, target_seconds=0.005):
+    """measure() for several calls at once, in turns: each round takes one sample of every call, in reverse
+    order every other round. A change of the machine's speed during the run (another tenant, the clock)
+    then reaches every call alike, and their ratios compare like with like."""
+    timers = [_timer(call) for call in calls]
+    numbers = [_calls_per_sample(timer, target_seconds) for timer in timers]
+    samples = [[] for _ in calls]
+    order = list(range(len(calls)))
+    for round_ in range(repeat):
+        for i in (order if round_ % 2 == 0 else reversed(order)):
+            samples[i].append(timers[i].timeit(number=numbers[i]) / numbers[i] * 1e9)
+    return [_stats(taken, number) for taken, number in zip(samples, numbers)]
 
 
 class Holder:
@@ -91,10 +117,11 @@ def cpu_groups(np, torch=None, extra=None, short=False):
 
 
 def run_groups(groups, repeat=21):
-    """Measures every row; returns [(title, [(label, stats, ratio to reference)])]."""
+    """Measures every row, a group's rows together (measure_together); returns
+    [(title, [(label, stats, ratio to reference)])]."""
     results = []
     for title, reference, rows in groups:
-        measured = [(label, measure(call, repeat=repeat)) for label, call in rows]
+        measured = list(zip([label for label, _ in rows], measure_together([call for _, call in rows], repeat=repeat)))
         base = dict(measured)[reference]["median"]
         results.append((title, [(label, stats, stats["median"] / base) for label, stats in measured]))
     return results
