@@ -1,6 +1,8 @@
 """Where cai2dlpack finds an object's interface: the same answer as Python's attribute lookup, whichever way
 it is asked (a plain holder's instance dict is read directly; anything with hooks or type-level attributes
 goes through getattr)."""
+import sys
+
 import numpy as np
 import pytest
 
@@ -70,3 +72,46 @@ def test_a_holder_that_loses_its_interface_is_refused():
     for convert in (cai2dlpack, lambda o: DLPackShim(o).__dlpack__()):
         with pytest.raises(TypeError, match="Plain has neither __cuda_array_interface__ nor __array_interface__"):
             convert(made)
+
+
+def uninterned(text):
+    """An equal str that is not the interned one (setattr would intern it; a __dict__ store does not)."""
+    made = "".join(list(text))
+    assert made == text and made is not text
+    return made
+
+
+class Key(str):
+    """A str subclass as an instance-dict key: equal to the name, never identical to it."""
+
+    __hash__ = str.__hash__
+
+
+@pytest.mark.parametrize("make_key", [uninterned, Key], ids=["an uninterned str", "a str subclass"])
+@pytest.mark.parametrize("extra_attributes", [0, 8], ids=["a small dict", "a large dict"])
+def test_instance_keys_that_are_not_the_interned_names_are_still_found(cudart, make_key, extra_attributes):
+    device, host = np.zeros(4, dtype=np.float32), np.zeros(3)
+    register(cudart, device, DEVICE)
+    # A class of its own: instances of one class share their dicts' keys, which an earlier setattr would have
+    # filled with the interned name.
+    both = type("Fresh", (), {})()
+    for i in range(extra_attributes):
+        setattr(both, f"a{i}", i)
+    both.__array_interface__ = dict(host.__array_interface__)
+    both.__dict__[make_key("__cuda_array_interface__")] = dict(device.__array_interface__, version=3, stream=None)
+    assert not any(key is sys.intern(str(key)) for key in both.__dict__ if key.startswith("__cuda"))
+    view = dlpack2cai(cai2dlpack(both))
+    assert view.device == (2, 0) and view.shape == (4,)  # the CAI, as getattr finds it, wins
+
+
+@pytest.mark.parametrize("extra_attributes", [0, 3, 8])
+def test_other_instance_attributes_do_not_hide_the_interface(extra_attributes):
+    x = np.arange(5.0)
+    made = Plain()
+    for i in range(extra_attributes):
+        setattr(made, f"a{i}", i)
+    made.__array_interface__ = dict(x.__array_interface__)
+    assert np.asarray(dlpack2cai(cai2dlpack(made))).tolist() == x.tolist()
+    del made.__array_interface__
+    with pytest.raises(TypeError, match="neither __cuda_array_interface__ nor __array_interface__"):
+        cai2dlpack(made)
