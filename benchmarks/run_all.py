@@ -5,6 +5,9 @@ import platform
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# No row calls BLAS, but OpenBLAS's idle threads (started with NumPy) spin on the other cores, and on a
+# machine with two they slow whichever row runs beside them.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import cpu  # noqa: E402
 import gpu  # noqa: E402
@@ -29,7 +32,8 @@ def environment():
             cpu_name = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu_name}, {os.cpu_count()} cores; " + ", ".join(versions)
+    return (f"{cpu_name}, {os.cpu_count()} cores; " + ", ".join(versions) +
+            f"; OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}")
 
 
 def plot(path, results, growth=None):
