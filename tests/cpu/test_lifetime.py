@@ -173,7 +173,8 @@ def paths(cudart):
         "shim into torch": lambda: torch.from_dlpack(DLPackShim(host_owner)),
         "torch into view into numpy": lambda: np.asarray(dlpack2cai(tensor)),
         "view handed on": lambda: dlpack2cai(dlpack2cai(cai2dlpack(device), stream=2).__dlpack__(stream=0x6000)),
-        "numpy refuses a device tensor": expect(RuntimeError, np.from_dlpack, DLPackShim(device)),
+        # NumPy 2.4 refuses a device it cannot read with RuntimeError, 2.5 with BufferError.
+        "numpy refuses a device tensor": expect((RuntimeError, BufferError), np.from_dlpack, DLPackShim(device)),
         "device view interface": lambda: dlpack2cai(cai2dlpack(device)).__cuda_array_interface__,
         "error: typestr": expect(ValueError, cai2dlpack, bad_typestr),
         "error: missing key": expect(ValueError, cai2dlpack, missing, owner=host),
@@ -226,22 +227,21 @@ PATH_NAMES = [
 def test_no_growth_over_many_conversions(cudart, label):
     """Reference counts, traced memory and resident size stay flat over many conversions of every path."""
     run = paths(cudart)[label]
-    if True:
-        for _ in range(200):  # warm caches, pools and allocators
-            run()
-        gc.collect()
-        tracemalloc.start()
-        rss_before = resident_bytes()
-        traced_before = tracemalloc.get_traced_memory()[0]
-        refs_before = sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
-        for _ in range(ITERATIONS):
-            run()
-        gc.collect()
-        traced_growth = tracemalloc.get_traced_memory()[0] - traced_before
-        tracemalloc.stop()
-        rss_growth = resident_bytes() - rss_before
-        refs_after = sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
-        assert traced_growth < 4096, (label, traced_growth)
-        if not UNDER_ASAN:  # ASan's quarantine keeps freed blocks resident on purpose
-            assert rss_growth < 1 << 20, (label, rss_growth)
-        assert all(abs(a - b) < 50 for a, b in zip(refs_before, refs_after)), (label, refs_before, refs_after)
+    for _ in range(200):  # warm caches, pools and allocators
+        run()
+    gc.collect()
+    tracemalloc.start()
+    rss_before = resident_bytes()
+    traced_before = tracemalloc.get_traced_memory()[0]
+    refs_before = sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
+    for _ in range(ITERATIONS):
+        run()
+    gc.collect()
+    traced_growth = tracemalloc.get_traced_memory()[0] - traced_before
+    tracemalloc.stop()
+    rss_growth = resident_bytes() - rss_before
+    refs_after = sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
+    assert traced_growth < 4096, (label, traced_growth)
+    if not UNDER_ASAN:  # ASan's quarantine keeps freed blocks resident on purpose
+        assert rss_growth < 1 << 20, (label, rss_growth)
+    assert all(abs(a - b) < 50 for a, b in zip(refs_before, refs_after)), (label, refs_before, refs_after)
