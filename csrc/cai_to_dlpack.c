@@ -189,8 +189,8 @@ static int cdl_read_data(PyObject *data, cdl_source source, PyObject *obj, cdl_a
                          cdl_source_name(source), Py_TYPE(pointer)->tp_name);
             return -1;
         }
-        /* Where long is 64 bits, its reader walks the digits; the long long one (before 3.13) goes through a
-         * byte array, a tenth of a conversion's time. Same range, same errors. */
+        /* Where long is 64 bits, its reader walks the digits; the long long one goes through a byte array on
+         * 3.11, 5% of a conversion's time in a profile. Same range, same errors. */
 #if ULONG_MAX == ULLONG_MAX
         unsigned long long address = PyLong_AsUnsignedLong(pointer);
 #else
