@@ -9,7 +9,7 @@ import tempfile
 import numpy as np
 
 from cai_dlpack import cai2dlpack
-from cai_dlpack._benchmark import Holder, cpu_groups, measure, run_groups
+from cai_dlpack._benchmark import Holder, cpu_groups, measure_together, run_groups
 
 
 def build_floors():
@@ -67,10 +67,10 @@ def exchange_group():
     ])]
 
 
-def growth(repeat=11):
-    """cai2dlpack per-call ns for ndim 1..32, contiguous (strides None) and strided (explicit strides). Every
-    case is measured twice, in order and then in reverse, and keeps its lower median: a machine still warming
-    up (clock, caches) would otherwise slow the first cases, ndim 1 among them, and flatter the ratio."""
+def growth(repeat=21):
+    """cai2dlpack per-call ns for ndim 1..32, contiguous (strides None) and strided (explicit strides), every
+    case sampled in turns with the others (measure_together): a machine still warming up (clock, caches) would
+    otherwise slow the first cases, ndim 1 among them, and flatter the ratio."""
     element = np.zeros(1, dtype=np.float32)
     ndims = (1, 2, 4, 8, 16, 32)
     cases = {}
@@ -80,12 +80,8 @@ def growth(repeat=11):
         strided.__array_interface__["strides"] = (8,) * ndim
         for kind, holder in (("contiguous", contiguous), ("strided", strided)):
             cases[ndim, kind] = ("cai2dlpack(holder)", {"cai2dlpack": cai2dlpack, "holder": holder})
-    best = {}
-    for order in (list(cases), list(reversed(cases))):
-        for key in order:
-            median = measure(cases[key], repeat=repeat)["median"]
-            best[key] = min(best.get(key, median), median)
-    return [(ndim, best[ndim, "contiguous"], best[ndim, "strided"]) for ndim in ndims]
+    medians = dict(zip(cases, (stats["median"] for stats in measure_together(list(cases.values()), repeat=repeat))))
+    return [(ndim, medians[ndim, "contiguous"], medians[ndim, "strided"]) for ndim in ndims]
 
 
 def resident_bytes():

@@ -32,21 +32,11 @@ def _calls_per_sample(timer, target_seconds):
     return max(1, int(number * target_seconds / max(elapsed, 1e-9)))
 
 
-def _stats(samples, number):
-    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "calls": number}
-
-
-def measure(call, repeat=21, target_seconds=0.005):
-    """ns per call: median, min and max over repeat samples of many calls each."""
-    timer = _timer(call)
-    number = _calls_per_sample(timer, target_seconds)
-    return _stats([t / number * 1e9 for t in timer.repeat(repeat=repeat, number=number)], number)
-
-
 def measure_together(calls, repeat=21, target_seconds=0.005):
-    """measure() for several calls at once, in turns: each round takes one sample of every call, in reverse
-    order every other round. A change of the machine's speed during the run (another tenant, the clock)
-    then reaches every call alike, and their ratios compare like with like."""
+    """ns per call of each of calls (median, min and max over repeat samples of many calls each), sampled in
+    turns: each round takes one sample of every call, in reverse order every other round. A change of the
+    machine's speed during the run (another tenant, the clock, a warming cache) then reaches every call alike,
+    and their ratios compare like with like."""
     timers = [_timer(call) for call in calls]
     numbers = [_calls_per_sample(timer, target_seconds) for timer in timers]
     samples = [[] for _ in calls]
@@ -54,7 +44,8 @@ def measure_together(calls, repeat=21, target_seconds=0.005):
     for round_ in range(repeat):
         for i in (order if round_ % 2 == 0 else reversed(order)):
             samples[i].append(timers[i].timeit(number=numbers[i]) / numbers[i] * 1e9)
-    return [_stats(taken, number) for taken, number in zip(samples, numbers)]
+    return [{"median": statistics.median(taken), "min": min(taken), "max": max(taken), "calls": number}
+            for taken, number in zip(samples, numbers)]
 
 
 class Holder:
@@ -121,7 +112,8 @@ def run_groups(groups, repeat=21):
     [(title, [(label, stats, ratio to reference)])]."""
     results = []
     for title, reference, rows in groups:
-        measured = list(zip([label for label, _ in rows], measure_together([call for _, call in rows], repeat=repeat)))
+        labels, calls = zip(*rows)
+        measured = list(zip(labels, measure_together(calls, repeat=repeat)))
         base = dict(measured)[reference]["median"]
         results.append((title, [(label, stats, stats["median"] / base) for label, stats in measured]))
     return results

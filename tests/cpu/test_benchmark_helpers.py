@@ -1,4 +1,5 @@
 """The timing helpers behind benchmarks/ and `python -m cai_dlpack`: a group's rows are sampled in turns."""
+import itertools
 import time
 
 from cai_dlpack._benchmark import measure_together, run_groups
@@ -10,12 +11,7 @@ def test_rows_are_sampled_in_turns_and_reversed_every_other_round():
     stats = measure_together(calls, repeat=4, target_seconds=1e-4)
     numbers = [s["calls"] for s in stats]
     sampled = log[len(log) - sum(numbers) * 4:]  # calibration first, then 4 rounds
-    runs = []
-    for name in sampled:
-        if runs and runs[-1][0] == name:
-            runs[-1][1] += 1
-        else:
-            runs.append([name, 1])
+    runs = [(name, len(list(group))) for name, group in itertools.groupby(sampled)]
     # Rounds abc, cba, abc, cba: a round's last row is the next round's first, so their samples adjoin.
     assert [name for name, _ in runs] == ["a", "b", "c", "b", "a", "b", "c", "b", "a"]
     a, b, c = numbers
