@@ -284,6 +284,142 @@ overflow:
     return -1;
 }
 
+/* ---- validated interface dicts ------------------------------------------------------------------ */
+
+/* An object that holds its interface as a ready dict hands the same dict to every conversion. The record
+ * read from it is kept, per dict, and reused while the dict is unchanged: reading and checking the dict is
+ * most of a conversion. Kept only when nothing in the record can change without the dict changing: the
+ * values read are immutable (tuples, ints, str), the type comes from the typestr alone (not from a descr
+ * list or the object), the data is a (pointer, read_only) pair (not a buffer), and no dtype= was asked.
+ * "Unchanged" is the dict's version tag on 3.11 (every change gives a dict a new one, never reused) and a
+ * dict watcher on 3.12 and later (a change or the dict's end empties its slot). A dict only this call
+ * holds (a property's fresh dict) is never kept: it is about to go. A CAI pointer's device is asked again
+ * on every conversion. Off on free-threaded builds, where the slots would need a lock. */
+#ifndef Py_GIL_DISABLED
+#define CDL_INTERFACE_CACHE 1
+#define CDL_CACHE_SLOTS 4 /* a power of two: a slot is picked by bits of the dict's address */
+
+typedef struct {
+    PyObject *dict; /* identity only, no reference; NULL: empty */
+#if PY_VERSION_HEX < 0x030C0000
+    uint64_t version; /* the dict's version tag when it was read */
+#endif
+    cdl_source source;
+    cdl_array array; /* device fields unset for a CAI: asked again each time */
+} cdl_cache_slot;
+
+static cdl_cache_slot cdl_cache[CDL_CACHE_SLOTS];
+static Py_ssize_t cdl_cache_hits, cdl_cache_stores;
+#if PY_VERSION_HEX >= 0x030C0000
+static int cdl_cache_watcher = -1;                  /* -1: no watcher could be added, nothing is kept */
+static PyInterpreterState *cdl_cache_interpreter; /* the watcher's; other interpreters keep nothing */
+#endif
+
+static inline cdl_cache_slot *cdl_cache_slot_of(PyObject *dict)
+{
+    return &cdl_cache[((uintptr_t)dict >> 6) & (CDL_CACHE_SLOTS - 1)];
+}
+
+#if PY_VERSION_HEX < 0x030C0000
+static inline uint64_t cdl_dict_version(PyObject *dict)
+{
+    return ((PyDictObject *)dict)->ma_version_tag;
+}
+#else
+/* Any event of a watched dict (a change, a clear, its deallocation) empties its slot. */
+static int cdl_cache_on_dict_event(PyDict_WatchEvent event, PyObject *dict, PyObject *key, PyObject *value)
+{
+    (void)event, (void)key, (void)value;
+    cdl_cache_slot *slot = cdl_cache_slot_of(dict);
+    if (slot->dict == dict)
+        slot->dict = NULL;
+    return 0;
+}
+#endif
+
+/* 1 with *out filled from the slot of an unchanged dict, else 0. */
+static inline int cdl_cache_find(PyObject *dict, cdl_source source, cdl_array *out)
+{
+    const cdl_cache_slot *slot = cdl_cache_slot_of(dict);
+    if (slot->dict != dict || slot->source != source)
+        return 0;
+#if PY_VERSION_HEX < 0x030C0000
+    if (slot->version != cdl_dict_version(dict))
+        return 0;
+#endif
+    out->data = slot->array.data;
+    out->dtype = slot->array.dtype;
+    out->ndim = slot->array.ndim;
+    out->read_only = slot->array.read_only;
+    out->stream = slot->array.stream;
+    memcpy(out->shape, slot->array.shape, (size_t)out->ndim * sizeof(int64_t));
+    memcpy(out->strides, slot->array.strides, (size_t)out->ndim * sizeof(int64_t));
+    cdl_cache_hits++;
+    return 1;
+}
+
+/* Keeps arr as what dict (read at version) says. */
+static void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t version, const cdl_array *arr)
+{
+    cdl_cache_slot *slot = cdl_cache_slot_of(dict);
+#if PY_VERSION_HEX < 0x030C0000
+    slot->version = version;
+#else
+    (void)version;
+    if (cdl_cache_watcher < 0 || PyInterpreterState_Get() != cdl_cache_interpreter)
+        return;
+    if (slot->dict != NULL && slot->dict != dict && PyDict_Unwatch(cdl_cache_watcher, slot->dict) < 0)
+        PyErr_Clear(); /* cannot fail for a live dict and our own watcher; it only stays watched */
+    slot->dict = NULL;
+    if (PyDict_Watch(cdl_cache_watcher, dict) < 0) {
+        PyErr_Clear();
+        return;
+    }
+#endif
+    slot->dict = dict;
+    slot->source = source;
+    slot->array = *arr;
+    cdl_cache_stores++;
+}
+#endif /* Py_GIL_DISABLED */
+
+int cdl_interface_cache_init(void)
+{
+#if defined(CDL_INTERFACE_CACHE) && PY_VERSION_HEX >= 0x030C0000
+    cdl_cache_interpreter = PyInterpreterState_Get();
+    cdl_cache_watcher = PyDict_AddWatcher(cdl_cache_on_dict_event);
+    if (cdl_cache_watcher < 0)
+        PyErr_Clear(); /* every watcher id is taken: conversions read every dict afresh */
+#endif
+    return 0;
+}
+
+PyObject *cdl_interface_cache_info(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+#ifdef CDL_INTERFACE_CACHE
+#if PY_VERSION_HEX >= 0x030C0000
+    int enabled = cdl_cache_watcher >= 0;
+#else
+    int enabled = 1;
+#endif
+    return Py_BuildValue("{s:O,s:n,s:n}", "enabled", enabled ? Py_True : Py_False, "hits", cdl_cache_hits, "stores",
+                         cdl_cache_stores);
+#else
+    return Py_BuildValue("{s:O,s:n,s:n}", "enabled", Py_False, "hits", (Py_ssize_t)0, "stores", (Py_ssize_t)0);
+#endif
+}
+
+/* The device fields of a record read from an interface: a CAI pointer's device is asked of the runtime. */
+static int cdl_set_device(cdl_array *out, cdl_source source)
+{
+    if (source == CDL_SOURCE_CAI)
+        return cdl_device_of_pointer(out->data, &out->device, &out->home_device);
+    out->device.device_type = kDLCPU;
+    out->device.device_id = out->home_device = 0;
+    return 0;
+}
+
 int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, const DLDataType *requested,
                              cdl_array *out, PyObject **keepalive)
 {
@@ -293,6 +429,14 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
                      Py_TYPE(iface)->tp_name);
         return -1;
     }
+#ifdef CDL_INTERFACE_CACHE
+    if (requested == NULL && cdl_cache_find(iface, source, out))
+        return cdl_set_device(out, source);
+    uint64_t dict_version = 0;
+#if PY_VERSION_HEX < 0x030C0000
+    dict_version = cdl_dict_version(iface);
+#endif
+#endif
     /* Strong references: reading a buffer object may run Python code that changes the dict. */
     PyObject *entries[CDL_ENTRIES];
     cdl_collect_entries(iface, entries);
@@ -310,8 +454,10 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
     out->ndim = (int32_t)ndim;
 
     value = cdl_required(entries, CDL_TYPESTR, source);
-    if (value == NULL ||
-        cdl_parse_interface_dtype(value, entries[CDL_DESCR], obj, requested, cdl_source_name(source), &out->dtype) < 0)
+    int named = value ? cdl_parse_interface_dtype(value, entries[CDL_DESCR], obj, requested, cdl_source_name(source),
+                                                  &out->dtype)
+                      : -1;
+    if (named < 0)
         goto done;
     int64_t itemsize = cdl_itemsize(out->dtype);
 
@@ -372,15 +518,16 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
     if (cdl_check_extent(out, source, shape, itemsize, buffer_length, offset) < 0)
         goto done;
 
-    if (source == CDL_SOURCE_CAI) {
-        if (cdl_device_of_pointer(out->data, &out->device, &out->home_device) < 0)
-            goto done;
-    }
-    else {
-        out->device.device_type = kDLCPU;
-        out->device.device_id = out->home_device = 0;
-    }
-    status = 0;
+#ifdef CDL_INTERFACE_CACHE
+    /* Every value the record came from is immutable, so the dict's version (or watcher) covers them (named:
+     * the type came from dtype=, the descr or obj). Only C code ran since the dict was read, so its version
+     * is still the one read before. */
+    value = entries[CDL_STRIDES];
+    if (!named && Py_REFCNT(iface) > 1 && buffer_length < 0 && PyTuple_Check(shape) &&
+        (value == NULL || value == Py_None || PyTuple_Check(value)))
+        cdl_cache_store(iface, source, dict_version, out);
+#endif
+    status = cdl_set_device(out, source);
 done:
     if (status < 0)
         Py_CLEAR(*keepalive);

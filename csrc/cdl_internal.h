@@ -170,8 +170,9 @@ int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject 
 int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out);
 /* The type of an interface: its typestr, or for a type no typestr names (bfloat16, float8, ...), the
  * name in its one-field descr or the name of obj's NumPy dtype (obj may be NULL); requested (NULL: none)
- * is the caller's dtype= and wins, if the typestr's item size matches. Returns 0, or -1 as
- * cdl_parse_typestr, or ValueError for a requested type of another size. */
+ * is the caller's dtype= and wins, if the typestr's item size matches. Returns 0 for a type the typestr
+ * alone names, 1 for one from the descr, obj or requested, or -1 as cdl_parse_typestr, or ValueError for
+ * a requested type of another size. */
 int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj, const DLDataType *requested,
                               const char *where, DLDataType *out);
 /* A dtype= argument (a name, a NumPy / ml_dtypes dtype or type, a torch.dtype) as a DLPack type; 0, or -1
@@ -336,6 +337,10 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
 /* Reads obj's __cuda_array_interface__ (else __array_interface__; a dict is a CAI dict) into *out,
  * device included, its type the caller's requested one when not NULL. Same contract as above. */
 int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive);
+/* Sets up the kept records of validated interface dicts (a dict watcher on 3.12+); 0 (never fails). */
+int cdl_interface_cache_init(void);
+/* _core._interface_cache_info(): {"enabled": bool, "hits": int, "stores": int}, for tests. */
+PyObject *cdl_interface_cache_info(PyObject *module, PyObject *unused);
 /* The whole export: checks the consumer's requests, orders streams, builds the capsule. */
 PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
                      PyObject *max_version, PyObject *dl_device, PyObject *copy);

@@ -265,7 +265,7 @@ int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj,
             return -1;
         }
         *out = *requested;
-        return 0;
+        return 1;
     }
     if (cdl_dtype_from_kind(kind, itemsize, out) == 0)
         return 0;
@@ -281,7 +281,7 @@ int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj,
     if (row < 0 || itemsize != cdl_dtype_table[row].itemsize)
         return cdl_raise_no_equivalent(typestr, where);
     cdl_dtype_of_row(row, out);
-    return 0;
+    return 1;
 }
 
 PyObject *cdl_descr_of_dtype(DLDataType dtype)

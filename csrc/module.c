@@ -61,6 +61,9 @@ static PyMethodDef cdl_module_methods[] = {
      "cuda_runtime_info($module, /)\n--\n\n"
      "A dict: path, version and device count of the CUDA runtime in use "
      "(loads it; RuntimeError saying what was searched if there is none)."},
+    {"_interface_cache_info", cdl_interface_cache_info, METH_NOARGS,
+     "_interface_cache_info($module, /)\n--\n\n"
+     "Whether validated interface dicts are kept, and how often one was reused or kept (for tests)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -83,7 +86,7 @@ static int cdl_add_new_object(PyObject *module, const char *name, PyObject *valu
 PyMODINIT_FUNC PyInit__core(void)
 {
     if (cdl_names_init() < 0 || cdl_dtype_init() < 0 || cdl_cuda_errors_init() < 0 || cdl_view_type_init() < 0 ||
-        cdl_shim_type_init() < 0)
+        cdl_shim_type_init() < 0 || cdl_interface_cache_init() < 0)
         return NULL;
     cdl_stream_options_init();
     PyObject *module = PyModule_Create(&cdl_module);

@@ -1,0 +1,234 @@
+"""The record read from a ready interface dict is kept and reused while the dict is unchanged (a version tag on
+3.11, a dict watcher on 3.12+): every change to the dict, and every value that could change without the dict
+changing, must still be read afresh. _interface_cache_info() counts reuses ("hits") and records kept
+("stores"), so each test can say which way a conversion went."""
+import numpy as np
+import pytest
+
+from cai_dlpack import DLPackShim, _core, cai2dlpack, dlpack2cai
+from support.cai_objects import CaiArray, register
+from support.cuda_double import DEVICE, PINNED_HOST
+
+S1, S2 = 0x5000, 0x6000
+
+pytestmark = pytest.mark.skipif(not _core._interface_cache_info()["enabled"],
+                                reason="no records are kept on this build (free-threaded, or no dict watcher free)")
+
+
+class Holder:
+    pass
+
+
+def holding(iface):
+    made = Holder()
+    made.__array_interface__ = iface
+    return made
+
+
+def counts():
+    info = _core._interface_cache_info()
+    return info["hits"], info["stores"]
+
+
+def converted(obj, **kwargs):
+    """(hits, stores) the conversion of obj added, and the array it gave."""
+    hits, stores = counts()
+    array = np.asarray(dlpack2cai(cai2dlpack(obj, **kwargs)))
+    after = counts()
+    return (after[0] - hits, after[1] - stores), array
+
+
+def test_an_unchanged_ready_dict_is_read_once_then_reused():
+    x = np.arange(12.0).reshape(3, 4)
+    made = holding(dict(x.__array_interface__))
+    assert converted(made)[0] == (0, 1)
+    for _ in range(3):
+        took, array = converted(made)
+        assert took == (1, 0)
+        np.testing.assert_array_equal(array, x)
+        assert array.__array_interface__["data"][0] == x.ctypes.data
+
+
+def test_the_shim_and_the_c_api_path_reuse_it_too():
+    x = np.arange(6, dtype=np.int16)
+    made = holding(dict(x.__array_interface__))
+    cai2dlpack(made)
+    hits = counts()[0]
+    np.testing.assert_array_equal(np.from_dlpack(DLPackShim(made)), x)
+    assert counts()[0] == hits + 1
+
+
+def _retyped(iface, x):
+    iface["typestr"] = "<i8"
+    return x.view(np.int64)
+
+
+def _reshaped(iface, x):
+    iface["shape"] = (4, 3)
+    return x.reshape(4, 3)
+
+
+def _restrided(iface, x):
+    iface["strides"] = (8, 32)
+    iface["shape"] = (4, 3)
+    return x.reshape(3, 4).T
+
+
+def _moved(iface, x):
+    iface["data"] = (x.ctypes.data + 8, False)
+    iface["shape"] = (11,)
+    return x.reshape(-1)[1:]
+
+
+def _cleared_and_refilled(iface, x):
+    fresh = dict(x[1:].__array_interface__)
+    iface.clear()
+    iface.update(fresh)
+    return x[1:]
+
+
+def _key_replaced_by_equal_one(iface, x):
+    del iface["shape"]
+    iface["shape"] = (2, 6)
+    return x.reshape(2, 6)
+
+
+@pytest.mark.parametrize("change", [_retyped, _reshaped, _restrided, _moved, _cleared_and_refilled,
+                                    _key_replaced_by_equal_one])
+def test_a_changed_dict_is_read_afresh(change):
+    x = np.arange(12.0).reshape(3, 4)
+    iface = dict(x.__array_interface__)
+    made = holding(iface)
+    converted(made)
+    converted(made)
+    expected = change(iface, x)
+    took, array = converted(made)
+    assert took[0] == 0
+    assert array.shape == expected.shape and array.dtype == expected.dtype
+    assert array.__array_interface__["data"][0] == expected.__array_interface__["data"][0]
+    np.testing.assert_array_equal(array, expected)
+
+
+@pytest.mark.parametrize("key, value, error, match", [
+    ("mask", np.zeros(3, dtype=bool), BufferError, "'mask' is set"),
+    ("shape", [3, -4], ValueError, r"'shape'\[1\] is -4"),
+    ("typestr", "<i3", BufferError, "typestr"),
+    ("version", "3", TypeError, "'version' must be an int"),
+    ("data", (0, False), ValueError, "pointer is 0"),
+])
+def test_a_dict_made_invalid_after_a_reuse_is_refused(key, value, error, match):
+    x = np.arange(12.0).reshape(3, 4)
+    iface = dict(x.__array_interface__)
+    made = holding(iface)
+    converted(made)
+    converted(made)
+    iface[key] = value
+    with pytest.raises(error, match=match):
+        cai2dlpack(made)
+    with pytest.raises(error, match=match):
+        cai2dlpack(made)
+    iface.update(x.__array_interface__)
+    iface.pop("mask", None)
+    np.testing.assert_array_equal(converted(made)[1], x)
+
+
+def test_a_removed_required_key_is_refused_after_a_reuse():
+    x = np.arange(3.0)
+    iface = dict(x.__array_interface__)
+    made = holding(iface)
+    converted(made)
+    converted(made)
+    del iface["typestr"]
+    with pytest.raises(ValueError, match="lacks the required key 'typestr'"):
+        cai2dlpack(made)
+
+
+@pytest.mark.parametrize("strides", [None, [8]], ids=["no strides", "a strides list"])
+def test_lists_changed_in_place_are_seen(strides):
+    """A list can change without its dict changing: a dict holding one is never kept."""
+    x = np.arange(12.0)
+    iface = dict(x.__array_interface__, shape=[12], strides=strides)
+    made = holding(iface)
+    assert converted(made)[0] == (0, 0)
+    iface["shape"][0] = 6
+    if strides:
+        iface["strides"][0] = 16
+    took, array = converted(made)
+    assert took == (0, 0)
+    np.testing.assert_array_equal(array, x[::2] if strides else x[:6])
+
+
+def test_a_property_that_builds_its_dict_each_time_is_never_kept():
+    x = np.arange(5.0)
+
+    class Fresh:
+        @property
+        def __array_interface__(self):
+            return dict(x.__array_interface__)
+
+    for _ in range(3):
+        assert converted(Fresh())[0] == (0, 0)
+
+
+def test_a_type_named_by_the_descr_is_read_each_time():
+    """bfloat16 is not in a typestr; the name in the descr list (which can change in place) decides it."""
+    x = np.arange(4, dtype=np.uint16)
+    iface = dict(x.__array_interface__, typestr="<V2", descr=[("bfloat16", "<V2")])
+    made = holding(iface)
+    assert dlpack2cai(cai2dlpack(made)).__array_interface__["descr"] == [("bfloat16", "<V2")]
+    hits, stores = counts()
+    iface["descr"][0] = ("float16", "<V2")
+    assert np.asarray(dlpack2cai(cai2dlpack(made))).dtype == np.float16
+    assert counts() == (hits, stores)
+
+
+def test_an_asked_dtype_neither_reuses_nor_keeps():
+    x = np.arange(4, dtype=np.uint16)
+    made = holding(dict(x.__array_interface__))
+    converted(made)
+    hits, stores = counts()
+    assert np.asarray(dlpack2cai(cai2dlpack(made, dtype="float16"))).dtype == np.float16
+    assert counts() == (hits, stores)
+    took, array = converted(made)
+    assert took == (1, 0) and array.dtype == np.uint16
+
+
+def test_dicts_that_take_each_others_place_are_each_read():
+    """A freed dict's address is soon another dict's: each conversion must describe its own dict."""
+    x = np.arange(64.0)
+    made = Holder()
+    for n in range(1, 40):
+        made.__array_interface__ = dict(x[:n].__array_interface__)
+        for _ in range(2):
+            array = converted(made)[1]
+            assert array.shape == (n,)
+
+
+def test_one_dict_read_as_either_interface_keeps_each_answer(cudart):
+    """The same dict as a CAI (a device pointer on a producer stream) and as an array interface (which has no
+    stream): the source is part of the key, so each reuse orders streams only for the CAI."""
+    x = np.arange(8, dtype=np.float32)
+    register(cudart, x, DEVICE)
+    cudart.add_stream(S1, 0)
+    iface = dict(x.__array_interface__, version=3, stream=S1)
+    made = holding(iface)
+    for _ in range(3):
+        cudart.clear_log()
+        assert dlpack2cai(cai2dlpack(made)).device == (1, 0)
+        assert not any(call.startswith("cudaEventRecord") for call in cudart.log())
+        assert dlpack2cai(cai2dlpack(iface, owner=x, stream=S2)).device == (2, 0)
+        assert sum(call.endswith(f", {S1})") and call.startswith("cudaEventRecord") for call in cudart.log()) == 1
+
+
+def test_a_reused_cai_record_asks_the_device_again(cudart):
+    """The pointer's device is not part of the record: memory freed and mapped again may be another kind."""
+    x = np.arange(8, dtype=np.float32)
+    register(cudart, x, DEVICE, device=1)
+    made = CaiArray(x, stream=None)
+    assert dlpack2cai(cai2dlpack(made)).device == (2, 1)
+    cudart.reset()
+    register(cudart, x, PINNED_HOST)
+    hits = counts()[0]
+    assert dlpack2cai(cai2dlpack(made)).device == (3, 0)
+    assert counts()[0] == hits + 1
+
