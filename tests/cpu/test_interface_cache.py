@@ -194,14 +194,20 @@ def test_an_asked_dtype_neither_reuses_nor_keeps():
 
 
 def test_dicts_that_take_each_others_place_are_each_read():
-    """A freed dict's address is soon another dict's: each conversion must describe its own dict."""
+    """A freed dict's address is soon another dict's (pymalloc hands the last freed block out first): each
+    conversion must describe its own dict, not the record of the dict that was there before."""
     x = np.arange(64.0)
-    made = Holder()
+    made, addresses = Holder(), set()
+    made.__array_interface__ = {}
     for n in range(1, 40):
-        made.__array_interface__ = dict(x[:n].__array_interface__)
+        del made.__array_interface__
+        made.__array_interface__ = {"shape": (n,), "typestr": "<f8", "data": (x.ctypes.data, False),
+                                    "strides": None, "version": 3}
+        addresses.add(id(made.__array_interface__))
         for _ in range(2):
-            array = converted(made)[1]
-            assert array.shape == (n,)
+            assert converted(made)[1].shape == (n,)
+    if len(addresses) == 39:
+        pytest.skip("this allocator gave every dict a new address (a sanitizer's quarantine does)")
 
 
 def test_one_dict_read_as_either_interface_keeps_each_answer(cudart):
