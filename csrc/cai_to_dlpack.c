@@ -310,6 +310,7 @@ typedef struct {
 
 static cdl_cache_slot cdl_cache[CDL_CACHE_SLOTS];
 static Py_ssize_t cdl_cache_hits, cdl_cache_stores;
+static int cdl_cache_off; /* _set_interface_cache(False): benchmarks and tests of the uncached path */
 #if PY_VERSION_HEX >= 0x030C0000
 static int cdl_cache_watcher = -1;                  /* -1: no watcher could be added, nothing is kept */
 static PyInterpreterState *cdl_cache_interpreter; /* the watcher's; other interpreters keep nothing */
@@ -341,7 +342,7 @@ static int cdl_cache_on_dict_event(PyDict_WatchEvent event, PyObject *dict, PyOb
 static inline int cdl_cache_find(PyObject *dict, cdl_source source, cdl_array *out)
 {
     const cdl_cache_slot *slot = cdl_cache_slot_of(dict);
-    if (slot->dict != dict || slot->source != source)
+    if (slot->dict != dict || slot->source != source || cdl_cache_off)
         return 0;
 #if PY_VERSION_HEX < 0x030C0000
     if (slot->version != cdl_dict_version(dict))
@@ -362,6 +363,8 @@ static inline int cdl_cache_find(PyObject *dict, cdl_source source, cdl_array *o
 static void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t version, const cdl_array *arr)
 {
     cdl_cache_slot *slot = cdl_cache_slot_of(dict);
+    if (cdl_cache_off)
+        return;
 #if PY_VERSION_HEX < 0x030C0000
     slot->version = version;
 #else
@@ -399,15 +402,29 @@ PyObject *cdl_interface_cache_info(PyObject *module, PyObject *unused)
     (void)module, (void)unused;
 #ifdef CDL_INTERFACE_CACHE
 #if PY_VERSION_HEX >= 0x030C0000
-    int enabled = cdl_cache_watcher >= 0;
+    int enabled = cdl_cache_watcher >= 0 && !cdl_cache_off;
 #else
-    int enabled = 1;
+    int enabled = !cdl_cache_off;
 #endif
     return Py_BuildValue("{s:O,s:n,s:n}", "enabled", enabled ? Py_True : Py_False, "hits", cdl_cache_hits, "stores",
                          cdl_cache_stores);
 #else
     return Py_BuildValue("{s:O,s:n,s:n}", "enabled", Py_False, "hits", (Py_ssize_t)0, "stores", (Py_ssize_t)0);
 #endif
+}
+
+PyObject *cdl_set_interface_cache(PyObject *module, PyObject *enabled)
+{
+    (void)module;
+    int on = PyObject_IsTrue(enabled);
+    if (on < 0)
+        return NULL;
+#ifdef CDL_INTERFACE_CACHE
+    cdl_cache_off = !on;
+    for (int i = 0; i < CDL_CACHE_SLOTS && !on; i++)
+        cdl_cache[i].dict = NULL; /* on 3.12+ the dicts stay watched; their events then find no slot */
+#endif
+    return cdl_interface_cache_info(module, NULL);
 }
 
 /* The device fields of a record read from an interface: a CAI pointer's device is asked of the runtime. */

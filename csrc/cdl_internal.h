@@ -341,6 +341,9 @@ int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array 
 int cdl_interface_cache_init(void);
 /* _core._interface_cache_info(): {"enabled": bool, "hits": int, "stores": int}, for tests. */
 PyObject *cdl_interface_cache_info(PyObject *module, PyObject *unused);
+/* _core._set_interface_cache(enabled): turns the kept records on or off (off: every dict read afresh);
+ * returns the info above. */
+PyObject *cdl_set_interface_cache(PyObject *module, PyObject *enabled);
 /* The whole export: checks the consumer's requests, orders streams, builds the capsule. */
 PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
                      PyObject *max_version, PyObject *dl_device, PyObject *copy);

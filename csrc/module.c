@@ -64,6 +64,10 @@ static PyMethodDef cdl_module_methods[] = {
     {"_interface_cache_info", cdl_interface_cache_info, METH_NOARGS,
      "_interface_cache_info($module, /)\n--\n\n"
      "Whether validated interface dicts are kept, and how often one was reused or kept (for tests)."},
+    {"_set_interface_cache", cdl_set_interface_cache, METH_O,
+     "_set_interface_cache($module, enabled, /)\n--\n\n"
+     "Keeps validated interface dicts (True, the default) or reads every dict afresh (False), for benchmarks "
+     "and tests; returns _interface_cache_info()."},
     {NULL, NULL, 0, NULL},
 };
 

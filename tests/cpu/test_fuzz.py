@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cai_dlpack import cai2dlpack, dlpack2cai
+from cai_dlpack import _core, cai2dlpack, dlpack2cai
 from support.dlpack_ctypes import MadeTensor
 
 EXAMPLES = int(os.environ.get("CAI_DLPACK_FUZZ_EXAMPLES", "400"))
@@ -86,6 +86,69 @@ def test_array_interface_dicts(iface, max_version):
         assert out["data"][0] == expected_pointer
     if iface.get("strides") is not None and size:
         assert tuple(s // itemsize for s in out["strides"]) == tuple(s // itemsize for s in iface["strides"])
+
+
+def _outcome(convert):
+    """What a conversion gave: the view's array interface, or the exception's type and message."""
+    try:
+        return dlpack2cai(convert(), stream=-1).__array_interface__
+    except (TypeError, ValueError, BufferError) as error:
+        return type(error), str(error)
+
+
+@st.composite
+def ready_interfaces(draw):
+    """Valid array interfaces over BUFFER (a holder's ready dict)."""
+    typestr = draw(st.sampled_from(["|b1", "|i1", "<i2", "<u4", "<f4", "<f8", "<c16"]))
+    itemsize = np.dtype(typestr).itemsize
+    shape = tuple(draw(st.lists(st.integers(0, 5), max_size=4)))
+    iface = {"shape": shape, "typestr": typestr, "version": draw(st.integers(0, 3)),
+             "data": (BASE + 4096 + itemsize * draw(st.integers(0, 64)), draw(st.booleans()))}
+    if draw(st.booleans()):
+        iface["strides"] = tuple(itemsize * draw(st.integers(-4, 4)) for _ in shape)
+    return iface
+
+
+KEYED = {"shape": shapes, "typestr": typestrs, "data": datas, "version": versions, "strides": strides,
+         "mask": masks}
+
+
+@st.composite
+def changes(draw, iface):
+    """iface with one key set to a fuzzed value or removed, or another ready dict."""
+    if draw(st.booleans()):
+        return draw(ready_interfaces())
+    key = draw(st.sampled_from(sorted(KEYED)))
+    changed = dict(iface)
+    if draw(st.integers(0, 4)) == 0:
+        changed.pop(key, None)
+    else:
+        changed[key] = draw(KEYED[key])
+    return changed
+
+
+@FUZZ
+@given(st.data())
+def test_a_kept_record_answers_as_a_fresh_read(data):
+    """A ready dict converted with kept records (kept, then reused), then changed in place and converted again,
+    answers as each dict read afresh with kept records off (_core._set_interface_cache)."""
+    iface = data.draw(ready_interfaces())
+    changed = data.draw(changes(iface))
+
+    def convert(obj):
+        return lambda: cai2dlpack(obj, max_version=(1, 0))
+
+    _core._set_interface_cache(False)
+    try:
+        fresh = [_outcome(convert(Holder(dict(d)))) for d in (iface, changed)]
+    finally:
+        _core._set_interface_cache(True)
+    holder = Holder(iface)
+    for expected in fresh:
+        assert _outcome(convert(holder)) == expected
+        assert _outcome(convert(holder)) == expected
+        iface.clear()
+        iface.update(changed)
 
 
 class CaiHolder:
