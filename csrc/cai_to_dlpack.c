@@ -294,7 +294,8 @@ overflow:
  * "Unchanged" is the dict's version tag on 3.11 (every change gives a dict a new one, never reused) and a
  * dict watcher on 3.12 and later (a change or the dict's end empties its slot). A dict only this call
  * holds (a property's fresh dict) is never kept: it is about to go. A CAI pointer's device is asked again
- * on every conversion. Off on free-threaded builds, where the slots would need a lock. */
+ * on every conversion. Off on free-threaded builds, where the slots would need a lock; on 3.12+ off in
+ * interpreters other than the main one, and on CPython 3.13.0, whose watchers miss changes (below). */
 #ifndef Py_GIL_DISABLED
 #define CDL_INTERFACE_CACHE 1
 #define CDL_CACHE_SLOTS 4 /* a power of two: a slot is picked by bits of the dict's address */
@@ -312,8 +313,8 @@ static cdl_cache_slot cdl_cache[CDL_CACHE_SLOTS];
 static Py_ssize_t cdl_cache_hits, cdl_cache_stores;
 static int cdl_cache_off; /* _set_interface_cache(False): benchmarks and tests of the uncached path */
 #if PY_VERSION_HEX >= 0x030C0000
-static int cdl_cache_watcher = -1;                  /* -1: no watcher could be added, nothing is kept */
-static PyInterpreterState *cdl_cache_interpreter; /* the watcher's; other interpreters keep nothing */
+static int cdl_cache_watcher = -1;                  /* -1: no watcher, nothing is kept */
+static PyInterpreterState *cdl_cache_interpreter; /* the watcher's (the main one); others keep and find nothing */
 #endif
 
 static inline cdl_cache_slot *cdl_cache_slot_of(PyObject *dict)
@@ -346,6 +347,10 @@ static inline int cdl_cache_find(PyObject *dict, cdl_source source, cdl_array *o
         return 0;
 #if PY_VERSION_HEX < 0x030C0000
     if (slot->version != cdl_dict_version(dict))
+        return 0;
+#else
+    /* A dict's watched bits name watchers of the interpreter that runs: only the watcher's own sees changes. */
+    if (PyInterpreterState_Get() != cdl_cache_interpreter)
         return 0;
 #endif
     out->data = slot->array.data;
@@ -388,11 +393,22 @@ static void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t version,
 
 int cdl_interface_cache_init(void)
 {
-#if defined(CDL_INTERFACE_CACHE) && PY_VERSION_HEX >= 0x030C0000
+#ifdef CDL_INTERFACE_CACHE
+    /* A new interpreter (the module is made again after Py_Finalize, or in another interpreter) starts empty:
+     * an old interpreter's watchers went before its last dicts did, so its slots may name freed dicts. */
+    memset(cdl_cache, 0, sizeof(cdl_cache));
+#if PY_VERSION_HEX >= 0x030C0000
+    cdl_cache_watcher = -1;
     cdl_cache_interpreter = PyInterpreterState_Get();
+    /* Only the main interpreter keeps records. CPython 3.13.0 sends no event for an attribute stored into an
+     * object's inline values, which its __dict__ then shows (fixed in 3.13.1): a module built against later
+     * 3.13 headers loads there too, so the running version decides. */
+    if (cdl_cache_interpreter != PyInterpreterState_Main() || (Py_Version >= 0x030D0000 && Py_Version < 0x030D01F0))
+        return 0;
     cdl_cache_watcher = PyDict_AddWatcher(cdl_cache_on_dict_event);
     if (cdl_cache_watcher < 0)
         PyErr_Clear(); /* every watcher id is taken: conversions read every dict afresh */
+#endif
 #endif
     return 0;
 }
@@ -402,7 +418,7 @@ PyObject *cdl_interface_cache_info(PyObject *module, PyObject *unused)
     (void)module, (void)unused;
 #ifdef CDL_INTERFACE_CACHE
 #if PY_VERSION_HEX >= 0x030C0000
-    int enabled = cdl_cache_watcher >= 0 && !cdl_cache_off;
+    int enabled = cdl_cache_watcher >= 0 && PyInterpreterState_Get() == cdl_cache_interpreter && !cdl_cache_off;
 #else
     int enabled = !cdl_cache_off;
 #endif
