@@ -364,18 +364,26 @@ static inline int cdl_cache_find(PyObject *dict, cdl_source source, cdl_array *o
     return 1;
 }
 
+/* Whether records are kept here and now: not turned off, and on 3.12+ in the interpreter of a watcher. */
+static int cdl_cache_keeps(void)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    if (cdl_cache_watcher < 0 || PyInterpreterState_Get() != cdl_cache_interpreter)
+        return 0;
+#endif
+    return !cdl_cache_off;
+}
+
 /* Keeps arr as what dict (read at version) says. */
 static void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t version, const cdl_array *arr)
 {
     cdl_cache_slot *slot = cdl_cache_slot_of(dict);
-    if (cdl_cache_off)
+    if (!cdl_cache_keeps())
         return;
 #if PY_VERSION_HEX < 0x030C0000
     slot->version = version;
 #else
     (void)version;
-    if (cdl_cache_watcher < 0 || PyInterpreterState_Get() != cdl_cache_interpreter)
-        return;
     if (slot->dict != NULL && slot->dict != dict && PyDict_Unwatch(cdl_cache_watcher, slot->dict) < 0)
         PyErr_Clear(); /* cannot fail for a live dict and our own watcher; it only stays watched */
     slot->dict = NULL;
@@ -416,17 +424,14 @@ int cdl_interface_cache_init(void)
 PyObject *cdl_interface_cache_info(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
+    int enabled = 0;
+    Py_ssize_t hits = 0, stores = 0;
 #ifdef CDL_INTERFACE_CACHE
-#if PY_VERSION_HEX >= 0x030C0000
-    int enabled = cdl_cache_watcher >= 0 && PyInterpreterState_Get() == cdl_cache_interpreter && !cdl_cache_off;
-#else
-    int enabled = !cdl_cache_off;
+    enabled = cdl_cache_keeps();
+    hits = cdl_cache_hits;
+    stores = cdl_cache_stores;
 #endif
-    return Py_BuildValue("{s:O,s:n,s:n}", "enabled", enabled ? Py_True : Py_False, "hits", cdl_cache_hits, "stores",
-                         cdl_cache_stores);
-#else
-    return Py_BuildValue("{s:O,s:n,s:n}", "enabled", Py_False, "hits", (Py_ssize_t)0, "stores", (Py_ssize_t)0);
-#endif
+    return Py_BuildValue("{s:O,s:n,s:n}", "enabled", enabled ? Py_True : Py_False, "hits", hits, "stores", stores);
 }
 
 PyObject *cdl_set_interface_cache(PyObject *module, PyObject *enabled)
@@ -437,8 +442,8 @@ PyObject *cdl_set_interface_cache(PyObject *module, PyObject *enabled)
         return NULL;
 #ifdef CDL_INTERFACE_CACHE
     cdl_cache_off = !on;
-    for (int i = 0; i < CDL_CACHE_SLOTS && !on; i++)
-        cdl_cache[i].dict = NULL; /* on 3.12+ the dicts stay watched; their events then find no slot */
+    if (!on)
+        memset(cdl_cache, 0, sizeof(cdl_cache)); /* on 3.12+ the dicts stay watched; their events find no slot */
 #endif
     return cdl_interface_cache_info(module, NULL);
 }
