@@ -499,7 +499,10 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
         goto done;
     int64_t itemsize = cdl_itemsize(out->dtype);
 
-    PyObject *data = cdl_required(entries, CDL_DATA, source);
+    /* NumPy reads an array interface without 'data' as 'data': None, the object's own buffer. */
+    PyObject *data = source == CDL_SOURCE_ARRAY_INTERFACE && obj != NULL && entries[CDL_DATA] == NULL
+                         ? Py_None
+                         : cdl_required(entries, CDL_DATA, source);
     if (data == NULL)
         goto done;
 
@@ -515,7 +518,9 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
             goto done;
         }
         for (Py_ssize_t i = 0; i < ndim; i++) {
-            if (!cdl_divide_exactly(byte_strides[i], itemsize, &out->strides[i])) {
+            /* A dimension of extent 0 or 1 never steps: its stride may be any number of bytes (NumPy exports
+             * such views), and any element stride says the same there. */
+            if (!cdl_divide_exactly(byte_strides[i], itemsize, &out->strides[i]) && out->shape[i] > 1) {
                 PyErr_Format(cdl_UnsupportedError,
                              "%s 'strides'[%zd] is %lld bytes, not a multiple of the itemsize %lld; DLPack "
                              "strides count elements",
@@ -602,8 +607,8 @@ static int cdl_array_from_buffer(PyObject *obj, cdl_array *out, PyObject **keepa
     }
     if (buffer->strides != NULL) {
         for (int i = 0; i < buffer->ndim; i++) {
-            if (!cdl_divide_exactly(buffer->strides[i], itemsize, &out->strides[i]))
-                goto fallback;
+            if (!cdl_divide_exactly(buffer->strides[i], itemsize, &out->strides[i]) && out->shape[i] > 1)
+                goto fallback; /* a stride of extent 0 or 1 never steps; any other counts whole items */
         }
     }
     else if (cdl_contiguous_strides(out->ndim, out->shape, out->strides) < 0) {

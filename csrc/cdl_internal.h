@@ -63,6 +63,18 @@ static inline void cdl_error_unstash(cdl_pending_error *pending)
 #endif
 }
 
+/* Drops a stashed exception that is no longer wanted. */
+static inline void cdl_error_discard(cdl_pending_error *pending)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    Py_XDECREF(pending->raised);
+#else
+    Py_XDECREF(pending->type);
+    Py_XDECREF(pending->value);
+    Py_XDECREF(pending->traceback);
+#endif
+}
+
 /* One array as both protocols see it. Fields follow DLTensor; strides are in elements and are
  * always explicit. */
 typedef struct {
@@ -178,8 +190,10 @@ int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj,
 /* A dtype= argument (a name, a NumPy / ml_dtypes dtype or type, a torch.dtype) as a DLPack type; 0, or -1
  * with ValueError naming it. */
 int cdl_dtype_from_request(PyObject *requested, DLDataType *out);
-/* The descr [(name, typestr)] interfaces carry for a type no typestr names (borrowed), or NULL. */
-PyObject *cdl_descr_of_dtype(DLDataType dtype);
+/* Whether dtype is a type no typestr names, whose interfaces carry a descr [(name, typestr)]. */
+int cdl_dtype_is_named(DLDataType dtype);
+/* That descr, a new list each call (its receiver may change it), or NULL with an exception. */
+PyObject *cdl_descr_new(DLDataType dtype);
 /* The type of one native-order item of a buffer-protocol format (NULL: plain bytes) of itemsize bytes:
  * 0, or -1 (no exception set) when the table has none. */
 int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *out);
@@ -260,9 +274,6 @@ int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out);
  * device for pinned and managed memory) with CudaError naming what (for example "the exchange API's work
  * stream is") while a blocking stream there captures a graph. 0 or -1. */
 int cdl_check_legacy_stream(DLDeviceType device_type, int32_t device_id, const char *what);
-/* Whether the legacy default stream of the caller's current device is unusable now (a blocking stream there
- * captures a graph): 1 or 0, or -1 with an exception. Asks only a runtime already loaded (none: 0). */
-int cdl_legacy_stream_unusable(void);
 /* The exchange API's current work stream of a device: NULL (the legacy default stream) for CUDA memory,
  * or -1 with CudaError while a blocking stream of that device captures a graph (launching on the legacy
  * stream would invalidate the capture); NULL without a call for other devices. */

@@ -50,9 +50,10 @@ static const cdl_dtype_entry cdl_dtype_table[] = {
 #define CDL_DTYPE_COUNT (sizeof(cdl_dtype_table) / sizeof(cdl_dtype_table[0]))
 
 /* The typestrs as Python strings, made once so a view never builds one per access; for named types
- * the descr [(name, typestr)] too (NULL for the others). */
+ * the descr's one field (name, typestr) too (NULL for the others): a tuple, so sharing it is safe, put in
+ * a new list for each dict handed out (a receiver may change its list, and nobody else's). */
 static PyObject *cdl_typestr_objects[CDL_DTYPE_COUNT];
-static PyObject *cdl_descr_objects[CDL_DTYPE_COUNT];
+static PyObject *cdl_descr_fields[CDL_DTYPE_COUNT];
 /* "b1, i1, ...; by name: bfloat16, ...": what an interface may use, for error messages. */
 static char cdl_supported_text[32 * CDL_DTYPE_COUNT];
 
@@ -102,8 +103,8 @@ int cdl_dtype_init(void)
         PyOS_snprintf(cdl_supported_text + used, sizeof(cdl_supported_text) - used, "%s%s",
                       cdl_dtype_table[i - 1].kind != 'V' ? "; by name (a descr, a NumPy dtype or dtype=): " : ", ",
                       entry->name);
-        cdl_descr_objects[i] = Py_BuildValue("[(sO)]", entry->name, cdl_typestr_objects[i]);
-        if (cdl_descr_objects[i] == NULL)
+        cdl_descr_fields[i] = Py_BuildValue("(sO)", entry->name, cdl_typestr_objects[i]);
+        if (cdl_descr_fields[i] == NULL)
             return -1;
     }
     return 0;
@@ -237,17 +238,46 @@ int cdl_dtype_from_request(PyObject *requested, DLDataType *out)
 }
 
 /* The name a NumPy-style interface gives its one-field descr [(name, typestr)], or NULL (no exception):
- * NumPy's default descr [("", typestr)] names nothing. Borrowed. */
+ * NumPy's default descr [("", typestr)] names nothing. A new reference: the list is the producer's, and
+ * another thread may change it, so its one item is taken inside a critical section (the field is a tuple,
+ * which nobody can change). */
 static PyObject *cdl_name_in_descr(PyObject *descr, PyObject *typestr)
 {
-    if (descr == NULL || !PyList_Check(descr) || PyList_GET_SIZE(descr) != 1)
+    if (descr == NULL || !PyList_Check(descr))
         return NULL;
-    PyObject *field = PyList_GET_ITEM(descr, 0);
-    if (!PyTuple_Check(field) || PyTuple_GET_SIZE(field) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(field, 0)) ||
-        !PyUnicode_Check(PyTuple_GET_ITEM(field, 1)) ||
-        PyUnicode_Compare(PyTuple_GET_ITEM(field, 1), typestr) != 0 || PyUnicode_GET_LENGTH(PyTuple_GET_ITEM(field, 0)) == 0)
-        return NULL;
-    return PyTuple_GET_ITEM(field, 0);
+    PyObject *field = NULL;
+    CDL_BEGIN_CRITICAL_SECTION(descr);
+    if (PyList_GET_SIZE(descr) == 1)
+        field = Py_NewRef(PyList_GET_ITEM(descr, 0));
+    CDL_END_CRITICAL_SECTION();
+    PyObject *name = NULL;
+    if (field != NULL && PyTuple_Check(field) && PyTuple_GET_SIZE(field) == 2 &&
+        PyUnicode_Check(PyTuple_GET_ITEM(field, 0)) && PyUnicode_Check(PyTuple_GET_ITEM(field, 1)) &&
+        PyUnicode_GET_LENGTH(PyTuple_GET_ITEM(field, 0)) != 0 &&
+        PyUnicode_Compare(PyTuple_GET_ITEM(field, 1), typestr) == 0)
+        name = Py_NewRef(PyTuple_GET_ITEM(field, 0));
+    Py_XDECREF(field);
+    return name;
+}
+
+/* The name of an object's element type, from its dtype: a NumPy (or ml_dtypes, CuPy, JAX) dtype's str
+ * name, or a torch.dtype's str ("torch.bfloat16"), whose type carries no name attribute. Nothing else is
+ * read as a name: an unknown dtype object names nothing. A new reference, or NULL (no exception). */
+static PyObject *cdl_name_of_object_dtype(PyObject *obj)
+{
+    PyObject *dtype = NULL, *name = NULL;
+    if (obj == NULL || cdl_lookup_attribute(obj, cdl_name.dtype, &dtype) <= 0)
+        goto done;
+    if (cdl_lookup_attribute(dtype, cdl_name.name, &name) > 0 && PyUnicode_Check(name))
+        goto done;
+    Py_CLEAR(name);
+    PyErr_Clear();
+    if (strcmp(Py_TYPE(dtype)->tp_name, "torch.dtype") == 0)
+        name = PyObject_Str(dtype);
+done:
+    PyErr_Clear(); /* a failing dtype property only means "no name" here */
+    Py_XDECREF(dtype);
+    return name;
 }
 
 int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj, const DLDataType *requested,
@@ -269,13 +299,12 @@ int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj,
     }
     if (cdl_dtype_from_kind(kind, itemsize, out) == 0)
         return 0;
-    /* A type no typestr names: the descr's name (our views', NumPy's for a named field), else the dtype
-     * name of a NumPy array (ml_dtypes arrays lose it in their descr: [("", "<V2")]). */
-    PyObject *name = Py_XNewRef(cdl_name_in_descr(descr, typestr)), *dtype = NULL;
-    if (name == NULL && obj != NULL && cdl_lookup_attribute(obj, cdl_name.dtype, &dtype) > 0)
-        (void)cdl_lookup_attribute(dtype, cdl_name.name, &name);
-    PyErr_Clear(); /* a failing dtype property only means "no name" here */
-    Py_XDECREF(dtype);
+    /* A type no typestr names: the descr's name (our views', NumPy's for a named field), else the name of
+     * the object's dtype (ml_dtypes arrays lose it in their descr, [("", "<V2")]; torch's interface has no
+     * descr at all). The item size must agree with the name's: never a guess from the size alone. */
+    PyObject *name = cdl_name_in_descr(descr, typestr);
+    if (name == NULL)
+        name = cdl_name_of_object_dtype(obj);
     int row = name ? cdl_row_of_name(name) : -1;
     Py_XDECREF(name);
     if (row < 0 || itemsize != cdl_dtype_table[row].itemsize)
@@ -284,10 +313,23 @@ int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj,
     return 1;
 }
 
-PyObject *cdl_descr_of_dtype(DLDataType dtype)
+int cdl_dtype_is_named(DLDataType dtype)
 {
     int row = cdl_row_of_dtype(dtype);
-    return row < 0 ? NULL : cdl_descr_objects[row];
+    return row >= 0 && cdl_descr_fields[row] != NULL;
+}
+
+PyObject *cdl_descr_new(DLDataType dtype)
+{
+    int row = cdl_row_of_dtype(dtype);
+    if (row < 0 || cdl_descr_fields[row] == NULL) {
+        PyErr_SetString(PyExc_SystemError, "cai_dlpack: a descr asked of a type a typestr names");
+        return NULL;
+    }
+    PyObject *descr = PyList_New(1);
+    if (descr != NULL)
+        PyList_SET_ITEM(descr, 0, Py_NewRef(cdl_descr_fields[row]));
+    return descr;
 }
 
 int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *out)
