@@ -339,6 +339,21 @@ static inline int cdl_device_accessible(DLDeviceType type)
     return type == kDLCUDA || type == kDLCUDAHost || type == kDLCUDAManaged;
 }
 
+/* interface_cache.c: the records kept of unchanged ready interface dicts ------------------------ */
+/* 1 with *out filled (all but the device fields) from the record kept of dict, unchanged since, else 0. */
+int cdl_cache_find(PyObject *dict, cdl_source source, cdl_array *out);
+/* What cdl_cache_store needs to know the dict was unchanged while it was read (its version tag on 3.11). */
+uint64_t cdl_cache_version(PyObject *dict);
+/* Keeps arr as what dict, read at version, says (when records are kept here and now). */
+void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t version, const cdl_array *arr);
+/* Sets up the kept records of validated interface dicts (a dict watcher on 3.12+); 0 (never fails). */
+int cdl_interface_cache_init(void);
+/* _core._interface_cache_info(): {"enabled": bool, "hits": int, "stores": int}, for tests. */
+PyObject *cdl_interface_cache_info(PyObject *module, PyObject *unused);
+/* _core._set_interface_cache(enabled): turns the kept records on or off (off: every dict read afresh);
+ * returns the info above. */
+PyObject *cdl_set_interface_cache(PyObject *module, PyObject *enabled);
+
 /* cai_to_dlpack.c: interface dicts (and buffers) into the record, the record out as a capsule --- */
 /* Reads an interface dict into *out (obj: its object, or NULL; requested: the caller's dtype=, or
  * NULL). For an array interface whose data is a buffer object,
@@ -348,13 +363,6 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
 /* Reads obj's __cuda_array_interface__ (else __array_interface__; a dict is a CAI dict) into *out,
  * device included, its type the caller's requested one when not NULL. Same contract as above. */
 int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive);
-/* Sets up the kept records of validated interface dicts (a dict watcher on 3.12+); 0 (never fails). */
-int cdl_interface_cache_init(void);
-/* _core._interface_cache_info(): {"enabled": bool, "hits": int, "stores": int}, for tests. */
-PyObject *cdl_interface_cache_info(PyObject *module, PyObject *unused);
-/* _core._set_interface_cache(enabled): turns the kept records on or off (off: every dict read afresh);
- * returns the info above. */
-PyObject *cdl_set_interface_cache(PyObject *module, PyObject *enabled);
 /* The whole export: checks the consumer's requests, orders streams, builds the capsule. */
 PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
                      PyObject *max_version, PyObject *dl_device, PyObject *copy);
