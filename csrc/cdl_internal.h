@@ -199,6 +199,8 @@ PyObject *cdl_descr_new(DLDataType dtype);
 int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *out);
 /* The buffer-protocol format of dtype (native order and sizes), or NULL when the table has none. */
 const char *cdl_format_from_dtype(DLDataType dtype);
+/* The table's name of dtype ("bfloat16", "float32", ...). */
+const char *cdl_name_of_dtype(DLDataType dtype);
 /* Returns a new reference to the typestr of dtype, or NULL with UnsupportedArrayError naming code/bits/lanes. */
 PyObject *cdl_typestr_from_dtype(DLDataType dtype);
 /* 0 when an array interface can describe dtype, else -1 with the UnsupportedArrayError above. */

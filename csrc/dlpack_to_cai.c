@@ -370,6 +370,16 @@ static int cdl_view_getbuffer(cdl_view *self, Py_buffer *buffer, int flags)
                      (int)self->device.device_type);
         return -1;
     }
+    if ((flags & PyBUF_FORMAT) == PyBUF_FORMAT && self->named) {
+        /* No struct format names bfloat16 or float8 (a pad-byte one maps to no datatype in a consumer such as
+         * mpi4py, and to a nameless type in NumPy). Refused, a consumer reads what names the type: NumPy the
+         * array interface's descr, mpi4py __dlpack__ (raw bytes, as it sends the producer's own tensor). */
+        PyErr_Format(PyExc_BufferError,
+                     "DLPackView of %s: no buffer format names this type; read __array_interface__ (its descr names "
+                     "it) or __dlpack__, or ask for the buffer without a format (raw bytes)",
+                     cdl_name_of_dtype(t->dtype));
+        return -1;
+    }
     if ((flags & PyBUF_WRITABLE) == PyBUF_WRITABLE && self->read_only) {
         PyErr_SetString(PyExc_BufferError, "DLPackView is read-only (the producer flagged the tensor read-only)");
         return -1;

@@ -12,13 +12,14 @@ typedef struct {
     uint8_t bits;
     uint16_t lanes;
     const char *typestr;
-    const char *format; /* buffer protocol (struct module) format, native order and size */
+    const char *format; /* buffer protocol (struct module) format, native order and size; NULL: none names it */
     const char *name;   /* NumPy's, ml_dtypes' and torch's name of the type */
 } cdl_dtype_entry;
 
 /* Types a typestr can name, then types it cannot (bfloat16, float8, packed float4): those are exported
- * as raw bytes of their size ('V' typestr, pad-byte format) with a one-field descr that carries the name,
- * and read back from that name (or from a NumPy dtype's name, or a dtype= the caller gives). */
+ * as raw bytes of their size ('V' typestr) with a one-field descr that carries the name, and read back from
+ * that name (or from the object's dtype, or a dtype= the caller gives). No buffer format names them: a buffer
+ * consumer that asks for a format is refused, and reads the interface or __dlpack__ instead. */
 static const cdl_dtype_entry cdl_dtype_table[] = {
     {'b', 1, kDLBool, 8, 1, "|b1", "?", "bool"},
     {'i', 1, kDLInt, 8, 1, "|i1", "b", "int8"},
@@ -34,18 +35,18 @@ static const cdl_dtype_entry cdl_dtype_table[] = {
     {'f', 8, kDLFloat, 64, 1, "<f8", "d", "float64"},
     {'c', 8, kDLComplex, 64, 1, "<c8", "Zf", "complex64"},
     {'c', 16, kDLComplex, 128, 1, "<c16", "Zd", "complex128"},
-    {'V', 2, kDLBfloat, 16, 1, "<V2", "2x", "bfloat16"},
-    {'V', 1, kDLFloat8_e3m4, 8, 1, "|V1", "x", "float8_e3m4"},
-    {'V', 1, kDLFloat8_e4m3, 8, 1, "|V1", "x", "float8_e4m3"},
-    {'V', 1, kDLFloat8_e4m3b11fnuz, 8, 1, "|V1", "x", "float8_e4m3b11fnuz"},
-    {'V', 1, kDLFloat8_e4m3fn, 8, 1, "|V1", "x", "float8_e4m3fn"},
-    {'V', 1, kDLFloat8_e4m3fnuz, 8, 1, "|V1", "x", "float8_e4m3fnuz"},
-    {'V', 1, kDLFloat8_e5m2, 8, 1, "|V1", "x", "float8_e5m2"},
-    {'V', 1, kDLFloat8_e5m2fnuz, 8, 1, "|V1", "x", "float8_e5m2fnuz"},
-    {'V', 1, kDLFloat8_e8m0fnu, 8, 1, "|V1", "x", "float8_e8m0fnu"},
+    {'V', 2, kDLBfloat, 16, 1, "<V2", NULL, "bfloat16"},
+    {'V', 1, kDLFloat8_e3m4, 8, 1, "|V1", NULL, "float8_e3m4"},
+    {'V', 1, kDLFloat8_e4m3, 8, 1, "|V1", NULL, "float8_e4m3"},
+    {'V', 1, kDLFloat8_e4m3b11fnuz, 8, 1, "|V1", NULL, "float8_e4m3b11fnuz"},
+    {'V', 1, kDLFloat8_e4m3fn, 8, 1, "|V1", NULL, "float8_e4m3fn"},
+    {'V', 1, kDLFloat8_e4m3fnuz, 8, 1, "|V1", NULL, "float8_e4m3fnuz"},
+    {'V', 1, kDLFloat8_e5m2, 8, 1, "|V1", NULL, "float8_e5m2"},
+    {'V', 1, kDLFloat8_e5m2fnuz, 8, 1, "|V1", NULL, "float8_e5m2fnuz"},
+    {'V', 1, kDLFloat8_e8m0fnu, 8, 1, "|V1", NULL, "float8_e8m0fnu"},
     /* Two 4-bit values packed in each byte (torch's float4_e2m1fn_x2): an item is one whole byte. A lone
      * 4-bit or 6-bit element is not a whole byte, which an interface cannot describe: no row. */
-    {'V', 1, kDLFloat4_e2m1fn, 4, 2, "|V1", "x", "float4_e2m1fn_x2"},
+    {'V', 1, kDLFloat4_e2m1fn, 4, 2, "|V1", NULL, "float4_e2m1fn_x2"},
 };
 #define CDL_DTYPE_COUNT (sizeof(cdl_dtype_table) / sizeof(cdl_dtype_table[0]))
 
@@ -347,7 +348,8 @@ int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *o
     size_t length = strlen(format);
     for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
         const char *known = cdl_dtype_table[i].format;
-        if (known[0] == format[0] && strcmp(known, format) == 0 && cdl_dtype_table[i].itemsize == itemsize)
+        if (known != NULL && known[0] == format[0] && strcmp(known, format) == 0 &&
+            cdl_dtype_table[i].itemsize == itemsize)
             return cdl_dtype_from_kind(cdl_dtype_table[i].kind, itemsize, out);
     }
     /* Formats of C's integer types whose size the table's fixed-size formats also cover: the size
@@ -360,6 +362,12 @@ int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *o
             return cdl_dtype_from_kind('u', itemsize, out);
     }
     return -1;
+}
+
+const char *cdl_name_of_dtype(DLDataType dtype)
+{
+    int row = cdl_row_of_dtype(dtype);
+    return row < 0 ? "an unknown type" : cdl_dtype_table[row].name;
 }
 
 const char *cdl_format_from_dtype(DLDataType dtype)

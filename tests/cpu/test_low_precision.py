@@ -154,3 +154,19 @@ def test_a_dtype_that_names_nothing_known_is_refused():
         obj.dtype = dtype
         with pytest.raises(UnsupportedArrayError, match="'typestr' '<V2' has no DLPack equivalent"):
             DLPackShim(obj).__dlpack__()
+
+
+@pytest.mark.parametrize("dtype,bits_type", [(torch.bfloat16, torch.int16), (torch.float8_e5m2, torch.uint8),
+                                             (torch.float4_e2m1fn_x2, torch.uint8)])
+def test_no_buffer_format_is_given_for_a_type_none_names(dtype, bits_type):
+    """No struct format names these types, so a buffer consumer that asks for one is refused (mpi4py then reads
+    __dlpack__, as it does the producer's own tensor); NumPy reads the interface, whose descr names the type."""
+    t = make(dtype, bits_type)
+    view = dlpack2cai(t)
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(BufferError, match=f"DLPackView of {name}: no buffer format names this type"):
+        memoryview(view)
+    a = np.asarray(view)
+    assert a.dtype.names == (name,) and a.dtype.itemsize == t.element_size()
+    assert a.__array_interface__["data"][0] == t.data_ptr()
+    assert np.array_equal(a.view(np.int16 if bits_type == torch.int16 else np.uint8), t.view(bits_type).numpy())
