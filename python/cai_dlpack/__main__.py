@@ -47,11 +47,11 @@ def describe_environment():
 
 
 def describe_runtime(info):
-    """One line: the runtime's version, the file the loader mapped, how it was found (with the name asked
-    for where that is not the file), the GPUs."""
+    """One line: the runtime's version, the file the loader mapped, how it was found (after the name asked
+    for where that is not the file: a soname), the GPUs."""
     how = RUNTIME_SOURCES.get(info["source"], info["source"])
     if info["path"] != info["file"]:
-        how += f" for {info['path']}"
+        how = f"{info['path']}, {how}"
     version = info["version"]
     return (f"CUDA runtime {version // 1000}.{version % 1000 // 10}: {info['file']} ({how}), "
             f"{info['device_count']} GPU(s)")
@@ -72,7 +72,7 @@ def shares_memory(source_address, result_address, write, read):
 
 
 def row(rows, what, verdict, call):
-    """call: a no-argument callable doing the conversion, timed with every other row's (measure_rows)."""
+    """call: a no-argument callable doing the conversion, timed in turns with every other row's (main)."""
     rows.append((what, verdict, call))
 
 

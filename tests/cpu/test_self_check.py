@@ -95,4 +95,4 @@ def test_the_runtime_line_names_the_file_and_how_it_was_found(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "CAI_DLPACK_CUDART"}
     env["LD_LIBRARY_PATH"] = str(tmp_path)
     assert runtime_line(env) == (f"CUDA runtime 13.0: {tmp_path / 'libcudart.so.13'} "
-                                 "(found by the loader's search for libcudart.so.13), 4 GPU(s)")
+                                 "(libcudart.so.13, found by the loader's search), 4 GPU(s)")
