@@ -24,10 +24,9 @@ COMMITTED = os.path.join(HERE, "results")
 DEFAULT_OUT = os.path.join(os.path.dirname(HERE), "build", "benchmarks")
 
 
-def output_folder(argv=None):
-    """(folder the results go to, the parsed arguments)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_arguments(argv=None):
+    """(the folder the results go to, the parsed arguments)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--out", metavar="DIR", help=f"folder for the results (default: {DEFAULT_OUT})")
     where.add_argument("--update-committed", action="store_true",
@@ -35,6 +34,8 @@ def output_folder(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="the short CPU groups only (no extras, ndim growth, memory or GPU part)")
     args = parser.parse_args(argv)
+    if args.quick and args.update_committed:
+        parser.error("--quick makes a partial run, which must not replace the committed results")
     return (COMMITTED if args.update_committed else os.path.abspath(args.out or DEFAULT_OUT)), args
 
 
@@ -107,7 +108,7 @@ def write(folder, part, report, extra_lines):
 
 
 def main(argv=None):
-    folder, args = output_folder(argv)
+    folder, args = parse_arguments(argv)
     report = cpu.run(short=args.quick)
     lines = []
     if report["growth"]:

@@ -58,11 +58,16 @@ def test_a_run_writes_to_the_folder_given(tmp_path):
     assert committed_digests() == digests
 
 
-def test_replacing_the_committed_results_is_asked_for_alone():
-    result = subprocess.run([sys.executable, RUN_ALL, "--out", "elsewhere", "--update-committed"],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert result.returncode == 2
-    assert "argument --update-committed: not allowed with argument --out" in result.stderr
+@pytest.mark.parametrize("arguments, refusal", [
+    (["--out", "elsewhere", "--update-committed"], "argument --update-committed: not allowed with argument --out"),
+    (["--quick", "--update-committed"], "--quick makes a partial run, which must not replace the committed results"),
+])
+def test_replacing_the_committed_results_is_asked_for_alone(arguments, refusal):
+    digests = committed_digests()
+    result = subprocess.run([sys.executable, RUN_ALL, *arguments], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT)
+    assert result.returncode == 2 and refusal in result.stderr, result.stderr
+    assert committed_digests() == digests
 
 
 def test_the_readme_names_the_machines_as_the_committed_runs_reported_them():
