@@ -11,14 +11,16 @@ python=${PYTHON:-python3}
 debian="Debian: apt-get install clang-14 libclang-rt-14-dev"
 clang=$(command -v clang || command -v clang-14 || true)
 [ -n "$clang" ] || missing "needs clang with libFuzzer ($debian)"
-"$python" -c "import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" ||
+pyinc=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+[ -f "$pyinc/Python.h" ] ||
   missing "$python has no Python.h to build against (Debian: apt-get install python3-dev)"
 find_build_requirements
 run_python() { PYTHONPATH="${build_deps}${PYTHONPATH:+:$PYTHONPATH}" "$python" -c "$1"; }
 dlpack=$(run_python "import tvm_ffi.libinfo as l; print(l.find_dlpack_include_path())")
-cuda=$(run_python "import nvidia, os; print([os.path.join(p, s, 'include') for p in nvidia.__path__ for s in ('cu13', 'cuda_runtime') if os.path.exists(os.path.join(p, s, 'include', 'cuda_runtime_api.h'))][0])")
+cuda=$(run_python "import nvidia, os
+print(next(d for p in nvidia.__path__ for d in (os.path.join(p, s, 'include') for s in ('cu13', 'cuda_runtime'))
+           if os.path.exists(os.path.join(d, 'cuda_runtime_api.h'))))")
 cudart_major=$(awk '/^#define CUDART_VERSION/ {print int($3 / 1000); exit}' "$cuda/cuda_runtime_api.h")
-pyinc=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 pylib=$("$python" -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
 pyver=$("$python" -c "import sysconfig; print(sysconfig.get_config_var('LDVERSION'))")
 mkdir -p build/fuzz

@@ -31,7 +31,8 @@ find_build_requirements() {
   fi
   build_deps="$PWD/build/build-deps-$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
   local needed=(apache-tvm-ffi nvidia-cuda-runtime nvidia-cuda-crt $want_cmake)
-  if ! has_build_requirements "$build_deps" || { [ -n "$want_cmake" ] && [ ! -x "$build_deps/cmake/data/bin/cmake" ]; }; then
+  if ! has_build_requirements "$build_deps" ||
+     { [ -n "$want_cmake" ] && [ ! -x "$build_deps/cmake/data/bin/cmake" ]; }; then
     echo "$0: installing the build requirements (${needed[*]}) into $build_deps"
     mkdir -p build
     "$python" -m pip install -q --target "$build_deps" --upgrade "${needed[@]}" >"$build_deps.log" 2>&1 ||
