@@ -323,6 +323,16 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
         goto done;
     out->ndim = (int32_t)ndim;
 
+    /* Naming the type may run Python (the object's dtype), which may change a strides list read after it: the
+     * list is taken as it is now, with the shape (its errors still come in the order of the keys). */
+    const int strides_listed = entries[CDL_STRIDES] != NULL && PyList_Check(entries[CDL_STRIDES]);
+    if (strides_listed) {
+        PyObject *taken = PyList_AsTuple(entries[CDL_STRIDES]);
+        if (taken == NULL)
+            goto done;
+        Py_SETREF(entries[CDL_STRIDES], taken);
+    }
+
     value = cdl_required(entries, CDL_TYPESTR, source);
     int named = value ? cdl_parse_interface_dtype(value, entries[CDL_DESCR], obj, requested, cdl_source_name(source),
                                                   &out->dtype)
@@ -397,7 +407,7 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
      * the type came from dtype=, the descr or obj). Only C code ran since the dict was read, so its version
      * is still the one read before. */
     value = entries[CDL_STRIDES];
-    if (!named && Py_REFCNT(iface) > 1 && buffer_length < 0 && PyTuple_Check(shape) &&
+    if (!named && Py_REFCNT(iface) > 1 && buffer_length < 0 && PyTuple_Check(shape) && !strides_listed &&
         (value == NULL || value == Py_None || PyTuple_Check(value)))
         cdl_cache_store(iface, source, dict_version, out);
     status = cdl_set_device(out, source);

@@ -95,12 +95,31 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
         set_error(error_ctx, "ValueError", "cai_dlpack allocator: bad prototype ndim or shape");
         return -1;
     }
+    /* A tensor with no elements needs no bytes, whatever its other extents multiply to; its contiguous strides
+     * must still fit in 64 bits (an extent of 0 or 1 counts as one there). */
+    int empty = 0;
     for (int32_t i = 0; i < ndim; i++) {
-        if (prototype->shape[i] < 0 || __builtin_mul_overflow(bytes, (uint64_t)prototype->shape[i], &bytes)) {
+        if (prototype->shape[i] < 0) {
+            set_error(error_ctx, "ValueError", "cai_dlpack allocator: a prototype extent is negative");
+            return -1;
+        }
+        empty |= prototype->shape[i] == 0;
+    }
+    int64_t stride = 1;
+    for (int32_t i = ndim - 1; i > 0; i--) {
+        if (__builtin_mul_overflow(stride, prototype->shape[i] > 1 ? prototype->shape[i] : 1, &stride)) {
+            set_error(error_ctx, "ValueError", "cai_dlpack allocator: the prototype's strides overflow 64 bits");
+            return -1;
+        }
+    }
+    for (int32_t i = 0; i < ndim && !empty; i++) {
+        if (__builtin_mul_overflow(bytes, (uint64_t)prototype->shape[i], &bytes)) {
             set_error(error_ctx, "ValueError", "cai_dlpack allocator: bad or overflowing prototype shape");
             return -1;
         }
     }
+    if (empty)
+        bytes = 0;
     /* The host block is rounded up to whole 64-byte lines, and no allocator hands out more than PTRDIFF_MAX
      * bytes: a count past that is refused here, before any rounding could wrap it to a few bytes. */
     if (bytes > (uint64_t)PTRDIFF_MAX - 63) {
@@ -116,12 +135,15 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
         return -1;
     }
     size_t size = bytes ? (size_t)bytes : 1;
+    const char *kind = "RuntimeError"; /* of a failure below: a device's, or no device this allocator knows */
     void *data = NULL;
     DLDeviceType type = prototype->device.device_type;
     if (type == kDLCPU) {
         data = aligned_alloc(64, (size + 63) / 64 * 64);
-        if (data == NULL)
+        if (data == NULL) {
             snprintf(message, sizeof(message), "cai_dlpack allocator: cannot allocate %zu host bytes", size);
+            kind = "MemoryError";
+        }
     }
     else if (type == kDLCUDA || type == kDLCUDAHost || type == kDLCUDAManaged) {
         const cdl_cudart *rt = cdl_cudart_get_any_thread(); /* a consumer's first call may be this one */
@@ -165,7 +187,7 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
     }
     if (data == NULL) {
         free(made);
-        set_error(error_ctx, "RuntimeError", message);
+        set_error(error_ctx, kind, message);
         return -1;
     }
     DLManagedTensorVersioned *m = &made->managed;
@@ -181,7 +203,7 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
     m->dl_tensor.strides = made->dims + ndim;
     if (ndim > 0)
         memcpy(made->dims, prototype->shape, (size_t)ndim * sizeof(int64_t));
-    (void)cdl_contiguous_strides(ndim, made->dims, made->dims + ndim); /* the size check above bounds them */
+    (void)cdl_contiguous_strides(ndim, made->dims, made->dims + ndim); /* checked above: the strides fit */
     *out = m;
     return 0;
 }
