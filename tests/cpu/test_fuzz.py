@@ -1,17 +1,13 @@
 """Property-based fuzzing of both converters through the public API (a bounded run in CI; set
 CAI_DLPACK_FUZZ_EXAMPLES for a long run). Invariants: never a crash; valid input round-trips exactly;
 invalid input raises TypeError, ValueError or BufferError naming the interface."""
-import os
-
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from cai_dlpack import _core, cai2dlpack, dlpack2cai
 from support.dlpack_ctypes import MadeTensor
-
-EXAMPLES = int(os.environ.get("CAI_DLPACK_FUZZ_EXAMPLES", "400"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+from support.fuzz_settings import FUZZ
 BUFFER = np.zeros(1 << 16, dtype=np.uint8)
 BASE = BUFFER.ctypes.data
 
