@@ -1,12 +1,17 @@
 """Property-based fuzzing of both converters through the public API (a bounded run in CI; set
 CAI_DLPACK_FUZZ_EXAMPLES for a long run). Invariants: never a crash; valid input round-trips exactly;
 invalid input raises TypeError, ValueError or BufferError naming the interface."""
+import ctypes
+import sys
+
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cai_dlpack import _core, cai2dlpack, dlpack2cai
-from support.dlpack_ctypes import MadeTensor
+from cai_dlpack import DLPackShim, _core, cai2dlpack, dlpack2cai
+from support import doors
+from support.dlpack_ctypes import MadeTensor, read_capsule
 from support.fuzz_settings import FUZZ
 BUFFER = np.zeros(1 << 16, dtype=np.uint8)
 BASE = BUFFER.ctypes.data
@@ -226,3 +231,197 @@ def test_arbitrary_dlpack_tensors(ndim, code, bits, lanes, device, null_strides,
         assert iface["data"][0] == BASE + offset
     del view, iface
     assert made.deleted == 1
+
+
+# ---- the C API's three doors, called as a C extension calls them (support/doors.py) ----------------------
+
+KNOWN_DEFECT_5 = pytest.mark.xfail(strict=True, reason="issue 27 defect 5: fixed on main by the lead")
+KNOWN_DEFECT_6 = pytest.mark.xfail(strict=True, reason="issue 27 defect 6: fixed on main by the lead")
+valid_streams = st.one_of(st.sampled_from([-1, 1, 2]), st.integers(3, 2**63 - 1))
+invalid_streams = st.one_of(st.sampled_from([0, -2, -5, -(2**63)]), st.integers(-(2**63), -2))
+REFUSALS = (TypeError, ValueError, BufferError)
+
+
+def capsule_outcome(obj):
+    """What cai2dlpack makes of obj: the exported tensor's fields, or the exception's type."""
+    try:
+        capsule = cai2dlpack(obj, max_version=(1, 0))
+    except REFUSALS as error:
+        return type(error)
+    fields = read_capsule(capsule)
+    return {key: fields[key] for key in ("data", "device", "ndim", "dtype", "shape", "strides")}
+
+
+def door_outcome(call):
+    try:
+        fields = call()
+    except REFUSALS as error:
+        return type(error)
+    return {key: fields[key] for key in ("data", "device", "ndim", "dtype", "shape", "strides")}
+
+
+def c_api_answers_as_cai2dlpack(obj, expected, stream, capacity):
+    """to_managed_tensor and fill_tensor of obj on a valid stream answer as cai2dlpack did (expected)."""
+    def managed():
+        owned = doors.to_managed_tensor(obj, stream)
+        try:
+            assert owned.pointer.contents.version.major == 1
+            return owned.fields()
+        finally:
+            owned.delete()
+
+    def filled():
+        fields, read_only = doors.fill_tensor(obj, stream, capacity=capacity)
+        assert read_only in (0, 1)
+        return fields
+
+    assert door_outcome(managed) == expected
+    filled_outcome = door_outcome(filled)
+    if isinstance(expected, dict) and expected["ndim"] > capacity:
+        assert filled_outcome is ValueError
+    else:
+        assert filled_outcome == expected
+
+
+@FUZZ
+@given(interfaces(), valid_streams, st.integers(-2, 70), st.sampled_from(["array", "shim"]))
+def test_c_api_answers_as_cai2dlpack(iface, stream, capacity, wrap):
+    """Any array-interface object, or a shim of one, through to_managed_tensor and fill_tensor (any storage
+    capacity): the same tensor cai2dlpack exports of the array, or a refusal of the same type."""
+    holder = Holder(iface)
+    obj = DLPackShim(holder) if wrap == "shim" else holder
+    c_api_answers_as_cai2dlpack(obj, capsule_outcome(holder), stream, capacity)
+
+
+@FUZZ
+@given(interfaces(), cai_streams, valid_streams)
+def test_c_api_cai_dicts_through_the_runtime_double(cudart, iface, producer_stream, stream):
+    cudart.reset()
+    cudart.add_region(BASE, BUFFER.nbytes, 2, 1)
+    obj = CaiHolder(dict(iface, stream=producer_stream))
+    c_api_answers_as_cai2dlpack(obj, capsule_outcome(obj), stream, 64)
+    assert cudart.current_device == 0
+
+
+@pytest.mark.parametrize("streams", ["invalid", pytest.param("invalid, view", marks=KNOWN_DEFECT_6)])
+@FUZZ
+@given(data=st.data())
+def test_c_api_refuses_invalid_streams(streams, data):
+    """0 and negatives other than -1 are no stream of the array API: each door refuses them with ValueError, and
+    view_from_managed_tensor, which steals its tensor, has run the tensor's deleter."""
+    stream = data.draw(invalid_streams)
+    x = np.arange(6.0)
+    if streams == "invalid":
+        for call in (lambda: doors.to_managed_tensor(x, stream), lambda: doors.fill_tensor(x, stream)):
+            with pytest.raises(ValueError, match="not a valid stream"):
+                call()
+        return
+    made = MadeTensor(data=x.ctypes.data, dtype=(2, 64, 1), shape=(6,))
+    with pytest.raises(ValueError, match="not a valid stream"):
+        doors.view_from_managed_tensor(ctypes.cast(ctypes.pointer(made.managed), doors.ManagedPointer), stream)
+    assert made.deleted == 1
+
+
+@FUZZ
+@given(ndim=st.integers(-2, 70), code=st.integers(0, 8), bits=st.sampled_from([0, 1, 4, 8, 16, 32, 64, 128, 255]),
+       lanes=st.sampled_from([0, 1, 2, 4]), device=st.sampled_from([1, 2, 3, 4, 10, 13, 99]),
+       null_strides=st.booleans(), offset=st.integers(0, 64), version=st.tuples(st.integers(0, 3), st.integers(0, 9)),
+       flags=st.integers(0, 7), dims=st.lists(st.integers(-2, 5), min_size=70, max_size=70),
+       steps=st.lists(st.integers(-(2**62), 2**62), min_size=70, max_size=70), stream=valid_streams)
+def test_view_from_managed_tensor_answers_as_dlpack2cai(ndim, code, bits, lanes, device, null_strides, offset,
+                                                        version, flags, dims, steps, stream):
+    """Any versioned tensor through view_from_managed_tensor (which steals it) and through dlpack2cai of a capsule
+    of the same: the same view or the same refusal, the deleter run exactly once either way."""
+    shape = tuple(dims[: max(ndim, 0)])
+
+    def made():
+        return MadeTensor(data=BASE, device=(device, 0), dtype=(code, bits, lanes), shape=shape,
+                          strides=None if null_strides else tuple(steps[: len(shape)]), byte_offset=offset,
+                          version=version, flags=flags, ndim=ndim)
+
+    def answer(convert, tensor):
+        try:
+            view = convert(tensor)
+        except BufferError as error:
+            assert tensor.deleted == 1
+            return BufferError, str(error)
+        assert tensor.deleted == 0
+        answer = (view.shape, view.strides, view.typestr, view.device, view.read_only)
+        del view
+        assert tensor.deleted == 1
+        return answer
+
+    by_capsule = answer(lambda t: dlpack2cai(t.capsule, stream=stream), made())
+    by_door = answer(lambda t: doors.view_from_managed_tensor(
+        ctypes.cast(ctypes.pointer(t.managed), doors.ManagedPointer), stream), made())
+    assert by_door == by_capsule
+
+
+@pytest.mark.parametrize("kind", ["views", "shims", pytest.param("bare dicts", marks=KNOWN_DEFECT_5)])
+@FUZZ
+@given(iface=ready_interfaces(), stream=valid_streams)
+def test_c_api_owners(cudart, kind, iface, stream):
+    """What keeps a C API tensor's memory alive: a view owns its tensor, a shim's object owns its memory; a bare
+    interface dict owns nothing and is refused, as cai2dlpack and DLPackShim refuse it."""
+    if kind == "bare dicts":
+        cudart.reset()
+        cudart.add_region(BASE, BUFFER.nbytes, 2, 1)  # a CAI dict of device memory the double knows
+        with pytest.raises(TypeError):
+            doors.to_managed_tensor(dict(iface), stream)
+        return
+    holder = Holder(iface)
+    obj = dlpack2cai(cai2dlpack(holder, max_version=(1, 0))) if kind == "views" else DLPackShim(holder)
+    owner = obj if kind == "views" else holder
+    before = sys.getrefcount(owner)
+    owned = doors.to_managed_tensor(obj, stream)
+    assert sys.getrefcount(owner) > before
+    owned.delete()
+    assert sys.getrefcount(owner) == before
+
+
+# ---- capsules of every name ----------------------------------------------------------------------------
+
+KNOWN_DEFECT_4 = pytest.mark.xfail(strict=True, reason="issue 27 defect 4: fixed on main by the lead")
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+ctypes.pythonapi.PyCapsule_GetName.restype = ctypes.c_char_p
+ctypes.pythonapi.PyCapsule_GetName.argtypes = [ctypes.py_object]
+capsule_names = st.one_of(st.sampled_from([b"dltensor", b"dltensor_versioned", b"used_dltensor",
+                                           b"used_dltensor_versioned", b"dltensor_", b"DLTENSOR", b"dlpack_exchange_api",
+                                           b"cai_dlpack._C_API", b""]),
+                          st.binary(min_size=1, max_size=24).filter(lambda name: b"\0" not in name))
+
+
+@pytest.mark.parametrize("names", ["named", pytest.param("nameless", marks=KNOWN_DEFECT_4)])
+@FUZZ
+@given(data=st.data())
+def test_capsules_of_any_name(names, data):
+    """dlpack2cai takes a capsule named dltensor or dltensor_versioned once (renaming it used_*); a used one is a
+    BufferError, any other name (none included) a TypeError, and the capsule keeps its name. The C doors read
+    no capsule: TypeError. Never a SystemError."""
+    name = None if names == "nameless" else data.draw(capsule_names)
+    versioned = name == b"dltensor_versioned"
+    made = MadeTensor(data=BASE, dtype=(2, 32, 1), shape=(4,), versioned=versioned)
+    capsule = made.capsule if name in (b"dltensor", b"dltensor_versioned") else _capsule_new(BASE, name, None)
+    for door in (lambda: doors.to_managed_tensor(capsule, -1), lambda: doors.fill_tensor(capsule, -1),
+                 lambda: doors.managed_from_object(capsule), lambda: doors.dltensor_from_object(capsule)):
+        with pytest.raises(TypeError):
+            door()
+    for stream in (None, -1):
+        if name in (b"dltensor", b"dltensor_versioned"):
+            view = dlpack2cai(capsule, stream=stream)
+            assert view.shape == (4,) and made.deleted == 0
+            del view
+            assert made.deleted == 1
+            name = b"used_" + name
+        elif name in (b"used_dltensor", b"used_dltensor_versioned"):
+            with pytest.raises(BufferError, match="already consumed"):
+                dlpack2cai(capsule, stream=stream)
+        else:
+            with pytest.raises(TypeError, match="PyCapsule"):
+                dlpack2cai(capsule, stream=stream)
+        assert ctypes.pythonapi.PyCapsule_GetName(capsule) == name
+    consumed = capsule is made.capsule
+    del capsule
+    assert made.deleted == consumed
