@@ -425,3 +425,130 @@ def test_capsules_of_any_name(names, data):
     consumed = capsule is made.capsule
     del capsule
     assert made.deleted == consumed
+
+
+# ---- objects whose dicts and lists change between and during calls -------------------------------------
+
+def every_door(obj):
+    """obj through each door that reads an interface: its answer at each (fields, or the exception's type)."""
+    def capsule():
+        return read_capsule(cai2dlpack(obj, max_version=(1, 0)))
+
+    def shim():
+        return read_capsule(DLPackShim(obj).__dlpack__(max_version=(1, 0)))
+
+    def managed():
+        owned = doors.to_managed_tensor(obj, -1)
+        try:
+            return owned.fields()
+        finally:
+            owned.delete()
+
+    def exchange_managed():
+        owned = doors.managed_from_object(DLPackShim(obj))
+        try:
+            return owned.fields()
+        finally:
+            owned.delete()
+
+    return [door_outcome(call) for call in (capsule, shim, managed, lambda: doors.fill_tensor(obj, -1)[0],
+                                            exchange_managed, lambda: doors.dltensor_from_object(DLPackShim(obj)))]
+
+
+class Float16Holder(Holder):
+    dtype = np.dtype("float16")
+
+
+def fresh_answers(iface, holder=Holder):
+    """every_door of a deep copy of iface (in a holder of that class) read with kept records off: what each door
+    must say of it."""
+    copied = {key: list(value) if isinstance(value, list) else value for key, value in iface.items()}
+    if isinstance(iface.get("descr"), list):
+        copied["descr"] = [tuple(field) if isinstance(field, tuple) else field for field in iface["descr"]]
+    _core._set_interface_cache(False)
+    try:
+        return every_door(holder(copied))
+    finally:
+        _core._set_interface_cache(True)
+
+
+@st.composite
+def editable_interfaces(draw):
+    """A valid interface over BUFFER whose shape, strides and descr are lists (a receiver may edit them)."""
+    typestr = draw(st.sampled_from(["<f4", "<i2", "|u1", "<V2"]))
+    itemsize = np.dtype(typestr).itemsize
+    shape = draw(st.lists(st.integers(0, 4), max_size=4))
+    iface = {"shape": shape, "typestr": typestr, "version": 3, "data": (BASE + 8192, False)}
+    if draw(st.booleans()):
+        iface["strides"] = [itemsize * draw(st.integers(-3, 3)) for _ in shape]
+    if typestr == "<V2" or draw(st.booleans()):
+        iface["descr"] = [(draw(st.sampled_from(["bfloat16", "float16", "", "x"])), typestr)]
+    return iface
+
+
+def edits(draw, iface):
+    """One in-place edit of iface or of a list it holds (a draw of what to change)."""
+    target = draw(st.sampled_from(["shape", "strides", "descr", "dict"]))
+    value = iface.get(target) if target != "dict" else iface
+    if target == "dict":
+        key = draw(st.sampled_from(["shape", "strides", "typestr", "descr", "data"]))
+        return lambda: iface.pop(key, None) if draw(st.booleans()) else iface.__setitem__(key, draw(KEYED.get(key, junk)))
+    if not isinstance(value, list):
+        return lambda: None
+    action = draw(st.sampled_from(["append", "pop", "set", "clear"]))
+    item = draw(st.one_of(st.integers(-2, 5), st.tuples(st.sampled_from(["bfloat16", "float16"]),
+                                                        st.sampled_from(["<V2", "<f2"])), junk))
+    return {"append": lambda: value.append(item), "pop": lambda: value and value.pop(),
+            "set": lambda: value and value.__setitem__(0, item), "clear": value.clear}[action]
+
+
+@FUZZ
+@given(data=st.data())
+def test_interfaces_edited_between_calls(data):
+    """A holder's ready dict converted at every door, edited in place (the dict, or a shape, strides or descr list
+    it holds), and converted again: each door answers as for a fresh copy of the dict as it is now."""
+    iface = data.draw(editable_interfaces())
+    holder = Holder(iface)
+    for _ in range(3):
+        assert every_door(holder) == fresh_answers(iface)
+        data.draw(st.builds(lambda: None).map(lambda _: edits(data.draw, iface)))()
+
+
+class EditingHolder:
+    """An interface whose reading runs Python that edits it: the dtype property (asked when a 'V' typestr has no
+    named descr) and the interface property itself both apply the next edit."""
+
+    def __init__(self, iface, pending):
+        self.iface, self.pending, self.states = iface, pending, []
+
+    def _edit(self):
+        if self.pending:
+            self.pending.pop(0)()
+
+    @property
+    def dtype(self):
+        self._edit()
+        return np.dtype("float16")
+
+    @property
+    def __array_interface__(self):
+        self._edit()
+        self.states.append(fresh_answers(self.iface, Float16Holder))
+        return self.iface
+
+
+@FUZZ
+@given(data=st.data())
+def test_interfaces_edited_during_calls(data):
+    """Python run in the middle of a conversion (the object's dtype, its interface property) edits the dict and its
+    lists: each door answers as for the dict in some state it was in (never a crash, never a mix of two states
+    that is neither)."""
+    iface = data.draw(editable_interfaces())
+    pending = [edits(data.draw, iface) for _ in range(data.draw(st.integers(1, 8)))]
+    holder = EditingHolder(iface, pending)
+    for _ in range(2):
+        answers = every_door(holder)
+        seen = holder.states + [fresh_answers(iface, Float16Holder)]
+        for door, answer in enumerate(answers):
+            assert any(state[door] == answer for state in seen), (door, answer)
+        holder.states.clear()
