@@ -1,10 +1,15 @@
-"""Runs every benchmark this machine supports and writes benchmarks/results/<part>.md and .png, with the
-machine, Python and library versions. Usage: python benchmarks/run_all.py"""
+"""Runs every benchmark this machine supports and writes <part>.md and .png (cpu, and gpu where a GPU is),
+with the machine, Python and library versions, to a folder: --out DIR, by default build/benchmarks/ (ignored by
+git, so a run leaves the clone unchanged). --update-committed writes them to benchmarks/results/ instead, the
+committed results the README quotes. --quick runs the short CPU groups alone (what the self-check runs).
+Usage: python benchmarks/run_all.py [--out DIR | --update-committed] [--quick]"""
+import argparse
 import os
 import platform
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 # No row calls BLAS, but OpenBLAS's idle threads (started with NumPy) spin on the other cores, and on a
 # machine with two they slow whichever row runs beside them.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -15,7 +20,23 @@ import gpu  # noqa: E402
 import cai_dlpack  # noqa: E402
 from cai_dlpack._benchmark import markdown  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+COMMITTED = os.path.join(HERE, "results")
+DEFAULT_OUT = os.path.join(os.path.dirname(HERE), "build", "benchmarks")
+
+
+def parse_arguments(argv=None):
+    """(the folder the results go to, the parsed arguments)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", metavar="DIR", help=f"folder for the results (default: {DEFAULT_OUT})")
+    where.add_argument("--update-committed", action="store_true",
+                       help=f"replace the committed results in {COMMITTED}")
+    parser.add_argument("--quick", action="store_true",
+                        help="the short CPU groups only (no extras, ndim growth, memory or GPU part)")
+    args = parser.parse_args(argv)
+    if args.quick and args.update_committed:
+        parser.error("--quick makes a partial run, which must not replace the committed results")
+    return (COMMITTED if args.update_committed else os.path.abspath(args.out or DEFAULT_OUT)), args
 
 
 def environment():
@@ -76,36 +97,44 @@ def plot(path, results, growth=None):
     return True
 
 
-def write(part, report, extra_lines):
-    os.makedirs(RESULTS, exist_ok=True)
+def write(folder, part, report, extra_lines):
+    os.makedirs(folder, exist_ok=True)
     text = [f"# {part.upper()} benchmarks", "", f"Machine: {environment()}", "",
             markdown(report["results"], report["references"]), ""] + extra_lines
-    with open(os.path.join(RESULTS, f"{part}.md"), "w") as out:
+    with open(os.path.join(folder, f"{part}.md"), "w") as out:
         out.write("\n".join(text) + "\n")
-    plot(os.path.join(RESULTS, f"{part}.png"), report["results"], report.get("growth"))
+    plot(os.path.join(folder, f"{part}.png"), report["results"], report.get("growth"))
     print("\n".join(text))
 
 
-def main():
-    report = cpu.run()
-    lines = ["## Growth of cai2dlpack with ndim (ns per call, median)", "",
-             "| ndim | contiguous, read afresh | strided, read afresh | contiguous, kept record reused |",
-             "|---:|---:|---:|---:|"]
-    lines += [f"| {n} | {c:,.0f} | {s:,.0f} | {k:,.0f} |" for n, c, s, k in report["growth"]]
+def main(argv=None):
+    folder, args = parse_arguments(argv)
+    report = cpu.run(short=args.quick)
+    lines = []
+    if report["growth"]:
+        lines += ["## Growth of cai2dlpack with ndim (ns per call, median)", "",
+                  "| ndim | contiguous, read afresh | strided, read afresh | contiguous, kept record reused |",
+                  "|---:|---:|---:|---:|"]
+        lines += [f"| {n} | {c:,.0f} | {s:,.0f} | {k:,.0f} |" for n, c, s, k in report["growth"]]
     m = report["memory"]
-    lines += ["", f"Memory: resident growth over {m['calls']:,} conversions: {m['rss_growth_bytes']:,} bytes; "
-              f"live allocations per unconsumed capsule: {m['allocations_per_capsule']:.2f} "
-              "(the capsule object and our one block)."]
-    write("cpu", report, lines)
-    if gpu.available():
+    if m:
+        lines += ["", f"Memory: resident growth over {m['calls']:,} conversions: {m['rss_growth_bytes']:,} bytes; "
+                  f"live allocations per unconsumed capsule: {m['allocations_per_capsule']:.2f} "
+                  "(the capsule object and our one block)."]
+    write(folder, "cpu", report, lines)
+    if args.quick:
+        print("\nGPU benchmarks skipped: --quick.")
+    elif gpu.available():
         report = gpu.run()
         lines = [f"GPU: {report['device']}", "",
                  "## Host time of one conversion while the producer stream is busy for 100 ms", "",
                  "| consumer | host us |", "|---|---:|"]
         lines += [f"| {label} | {us:,.1f} |" for label, us in report["host_blocking_us"].items()]
-        write("gpu", report, lines)
+        write(folder, "gpu", report, lines)
     else:
         print("\nGPU benchmarks skipped: no CUDA GPU with PyTorch and CuPy here.")
+    print(f"\nResults written to {folder}" + ("" if folder == COMMITTED else
+          " (the committed ones in benchmarks/results/ are unchanged; --update-committed replaces them)"))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,14 @@ static int cdl_api_to_managed_tensor(PyObject *obj, int64_t consumer_stream, DLM
     *out = NULL;
     if (cdl_check_consumer_stream(consumer_stream) < 0)
         return -1;
+    /* The tensor would hold the dict, which does not keep the memory it describes alive (cai2dlpack asks
+     * for owner= there; this door has none). */
+    if (PyDict_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "to_managed_tensor() of a bare interface dict: nothing would keep its memory alive; pass "
+                        "the object that owns the memory (or a capsule from cai2dlpack(d, owner=...))");
+        return -1;
+    }
     PyObject *view = NULL;
     int taken = cdl_view_from_exchange_api(obj, consumer_stream, &view);
     if (taken < 0)
@@ -150,10 +158,23 @@ static int cdl_array_from_exchange_api(PyObject *obj, cdl_array *arr, const DLPa
         PyErr_Clear(); /* the interface is read instead, and says why in its own words */
         return 0;
     }
-    int usable = cdl_exchange_usable(obj, tensor.dtype);
-    if (usable <= 0)
-        return usable;
-    return cdl_array_from_tensor(&tensor, 0, arr) < 0 ? -1 : 1;
+    /* The borrowed tensor is the producer's only until control goes back to it, and the checks below run
+     * Python code (a subclass may override them): it is read into the record first, by C code alone. */
+    DLDataType dtype = tensor.dtype;
+    int valid = cdl_array_from_tensor(&tensor, 0, arr);
+    cdl_pending_error invalid;
+    if (valid < 0)
+        cdl_error_stash(&invalid);
+    int usable = cdl_exchange_usable(obj, dtype);
+    if (valid < 0) {
+        /* A tensor the checks turn down is read through the interface, which says why in its own words. */
+        if (usable > 0) {
+            cdl_error_unstash(&invalid);
+            return -1;
+        }
+        cdl_error_discard(&invalid);
+    }
+    return usable <= 0 ? usable : 1;
 }
 
 static int cdl_api_fill_tensor(PyObject *obj, int64_t consumer_stream, DLTensor *out, int64_t *shape,
@@ -194,7 +215,17 @@ static int cdl_api_fill_tensor(PyObject *obj, int64_t consumer_stream, DLTensor 
 
 static PyObject *cdl_api_view_from_managed_tensor(DLManagedTensorVersioned *managed, int64_t stream)
 {
-    return cdl_view_new(cdl_managed_versioned(managed), stream);
+    cdl_managed handle = cdl_managed_versioned(managed);
+    if (managed == NULL) {
+        PyErr_SetString(PyExc_ValueError, "view_from_managed_tensor() was given a NULL tensor");
+        return NULL;
+    }
+    /* The tensor is stolen on every path: refused, its deleter runs here. */
+    if (cdl_check_consumer_stream(stream) < 0) {
+        cdl_managed_delete(&handle);
+        return NULL;
+    }
+    return cdl_view_new(handle, stream);
 }
 
 static const cai_dlpack_api cdl_public_api = {
@@ -257,6 +288,11 @@ static int cdl_exchange_dltensor_from_object(void *py_object, DLTensor *out)
 static int cdl_exchange_to_object(DLManagedTensorVersioned *tensor, void **out_py_object)
 {
     /* The consumer made the tensor on the work stream we reported. */
+    *out_py_object = NULL;
+    if (tensor == NULL) {
+        PyErr_SetString(PyExc_ValueError, "managed_tensor_to_py_object_no_sync() was given a NULL tensor");
+        return -1;
+    }
     PyObject *view = cdl_view_new(cdl_managed_versioned(tensor), CDL_STREAM_LEGACY);
     *out_py_object = view;
     return view ? 0 : -1;

@@ -63,6 +63,18 @@ static inline void cdl_error_unstash(cdl_pending_error *pending)
 #endif
 }
 
+/* Drops a stashed exception that is no longer wanted. */
+static inline void cdl_error_discard(cdl_pending_error *pending)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    Py_XDECREF(pending->raised);
+#else
+    Py_XDECREF(pending->type);
+    Py_XDECREF(pending->value);
+    Py_XDECREF(pending->traceback);
+#endif
+}
+
 /* One array as both protocols see it. Fields follow DLTensor; strides are in elements and are
  * always explicit. */
 typedef struct {
@@ -178,13 +190,17 @@ int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj,
 /* A dtype= argument (a name, a NumPy / ml_dtypes dtype or type, a torch.dtype) as a DLPack type; 0, or -1
  * with ValueError naming it. */
 int cdl_dtype_from_request(PyObject *requested, DLDataType *out);
-/* The descr [(name, typestr)] interfaces carry for a type no typestr names (borrowed), or NULL. */
-PyObject *cdl_descr_of_dtype(DLDataType dtype);
+/* Whether dtype is a type no typestr names, whose interfaces carry a descr [(name, typestr)]. */
+int cdl_dtype_is_named(DLDataType dtype);
+/* That descr, a new list each call (its receiver may change it), or NULL with an exception. */
+PyObject *cdl_descr_new(DLDataType dtype);
 /* The type of one native-order item of a buffer-protocol format (NULL: plain bytes) of itemsize bytes:
  * 0, or -1 (no exception set) when the table has none. */
 int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *out);
 /* The buffer-protocol format of dtype (native order and sizes), or NULL when the table has none. */
 const char *cdl_format_from_dtype(DLDataType dtype);
+/* The table's name of dtype ("bfloat16", "float32", ...). */
+const char *cdl_name_of_dtype(DLDataType dtype);
 /* Returns a new reference to the typestr of dtype, or NULL with UnsupportedArrayError naming code/bits/lanes. */
 PyObject *cdl_typestr_from_dtype(DLDataType dtype);
 /* 0 when an array interface can describe dtype, else -1 with the UnsupportedArrayError above. */
@@ -260,9 +276,6 @@ int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out);
  * device for pinned and managed memory) with CudaError naming what (for example "the exchange API's work
  * stream is") while a blocking stream there captures a graph. 0 or -1. */
 int cdl_check_legacy_stream(DLDeviceType device_type, int32_t device_id, const char *what);
-/* Whether the legacy default stream of the caller's current device is unusable now (a blocking stream there
- * captures a graph): 1 or 0, or -1 with an exception. Asks only a runtime already loaded (none: 0). */
-int cdl_legacy_stream_unusable(void);
 /* The exchange API's current work stream of a device: NULL (the legacy default stream) for CUDA memory,
  * or -1 with CudaError while a blocking stream of that device captures a graph (launching on the legacy
  * stream would invalidate the capture); NULL without a call for other devices. */
@@ -328,6 +341,21 @@ static inline int cdl_device_accessible(DLDeviceType type)
     return type == kDLCUDA || type == kDLCUDAHost || type == kDLCUDAManaged;
 }
 
+/* interface_cache.c: the records kept of unchanged ready interface dicts ------------------------ */
+/* 1 with *out filled (all but the device fields) from the record kept of dict, unchanged since, else 0. */
+int cdl_cache_find(PyObject *dict, cdl_source source, cdl_array *out);
+/* What cdl_cache_store needs to know the dict was unchanged while it was read (its version tag on 3.11). */
+uint64_t cdl_cache_version(PyObject *dict);
+/* Keeps arr as what dict, read at version, says (when records are kept here and now). */
+void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t version, const cdl_array *arr);
+/* Sets up the kept records of validated interface dicts (a dict watcher on 3.12+); 0 (never fails). */
+int cdl_interface_cache_init(void);
+/* _core._interface_cache_info(): {"enabled": bool, "hits": int, "stores": int}, for tests. */
+PyObject *cdl_interface_cache_info(PyObject *module, PyObject *unused);
+/* _core._set_interface_cache(enabled): turns the kept records on or off (off: every dict read afresh);
+ * returns the info above. */
+PyObject *cdl_set_interface_cache(PyObject *module, PyObject *enabled);
+
 /* cai_to_dlpack.c: interface dicts (and buffers) into the record, the record out as a capsule --- */
 /* Reads an interface dict into *out (obj: its object, or NULL; requested: the caller's dtype=, or
  * NULL). For an array interface whose data is a buffer object,
@@ -337,13 +365,6 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
 /* Reads obj's __cuda_array_interface__ (else __array_interface__; a dict is a CAI dict) into *out,
  * device included, its type the caller's requested one when not NULL. Same contract as above. */
 int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive);
-/* Sets up the kept records of validated interface dicts (a dict watcher on 3.12+); 0 (never fails). */
-int cdl_interface_cache_init(void);
-/* _core._interface_cache_info(): {"enabled": bool, "hits": int, "stores": int}, for tests. */
-PyObject *cdl_interface_cache_info(PyObject *module, PyObject *unused);
-/* _core._set_interface_cache(enabled): turns the kept records on or off (off: every dict read afresh);
- * returns the info above. */
-PyObject *cdl_set_interface_cache(PyObject *module, PyObject *enabled);
 /* The whole export: checks the consumer's requests, orders streams, builds the capsule. */
 PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
                      PyObject *max_version, PyObject *dl_device, PyObject *copy);

@@ -12,6 +12,8 @@
 static cdl_cudart cdl_runtime;
 static int cdl_runtime_loaded;
 static char cdl_runtime_path[1024];
+static char cdl_runtime_file[1024]; /* the file the loader mapped for cdl_runtime_path */
+static const char *cdl_runtime_source; /* how it was found: a string literal, for cuda_runtime_info */
 static cdl_lock cdl_runtime_lock = CDL_LOCK_INITIALIZER;
 
 /* Resolves every symbol of the table from handle. Returns the first missing name, or NULL. */
@@ -100,8 +102,9 @@ static void cdl_resolve_driver(void *handle, cdl_cudart *table)
 }
 
 /* Tries one path; on success fills the table and returns 1. Appends what happened to tried, except
- * for a probe of what is already loaded (loaded_only) that finds nothing. */
-static int cdl_try_open(const char *path, int loaded_only, char *tried, size_t tried_size)
+ * for a probe of what is already loaded (loaded_only) that finds nothing. source says how path was
+ * found ("CAI_DLPACK_CUDART", "preloaded", "loader", "pip wheel"), for cuda_runtime_info. */
+static int cdl_try_open(const char *path, const char *source, int loaded_only, char *tried, size_t tried_size)
 {
     size_t used = strlen(tried);
     void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL | (loaded_only ? RTLD_NOLOAD : 0));
@@ -158,6 +161,12 @@ static int cdl_try_open(const char *path, int loaded_only, char *tried, size_t t
     if (first) {
         cdl_runtime = table;
         snprintf(cdl_runtime_path, sizeof(cdl_runtime_path), "%s", path);
+        /* A bare soname says nothing of which copy the loader chose: the file holding a symbol does. */
+        Dl_info where;
+        void *symbol = dlsym(handle, "cudaRuntimeGetVersion");
+        snprintf(cdl_runtime_file, sizeof(cdl_runtime_file), "%s",
+                 symbol && dladdr(symbol, &where) && where.dli_fname ? where.dli_fname : path);
+        cdl_runtime_source = source;
         __atomic_store_n(&cdl_runtime_loaded, 1, __ATOMIC_RELEASE);
     }
     cdl_lock_release(&cdl_runtime_lock);
@@ -193,7 +202,7 @@ static int cdl_try_wheels(char *tried, size_t tried_size)
         for (size_t j = 0; !found && j < sizeof(wheel_libraries) / sizeof(wheel_libraries[0]); j++) {
             char path[1024];
             snprintf(path, sizeof(path), "%s/%s", folder, wheel_libraries[j]);
-            found = cdl_try_open(path, 0, tried, tried_size);
+            found = cdl_try_open(path, "pip wheel", 0, tried, tried_size);
         }
     }
     Py_DECREF(list);
@@ -228,7 +237,7 @@ const cdl_cudart *cdl_cudart_get(void)
     const char *named = getenv("CAI_DLPACK_CUDART");
     if (named != NULL && named[0] != '\0') {
         /* A runtime the user names is the only one tried: a silent fallback would hide the mistake. */
-        if (cdl_try_open(named, 0, tried, sizeof(tried)))
+        if (cdl_try_open(named, "CAI_DLPACK_CUDART", 0, tried, sizeof(tried)))
             return &cdl_runtime;
         PyErr_Format(PyExc_RuntimeError, "CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded: %s",
                      tried);
@@ -245,7 +254,7 @@ const cdl_cudart *cdl_cudart_get(void)
             char soname[64];
             snprintf(soname, sizeof(soname), "libcudart.so.%d", majors[i]);
             size_t used = strlen(tried);
-            if (cdl_try_open(soname, loaded_only, tried, sizeof(tried)))
+            if (cdl_try_open(soname, loaded_only ? "preloaded" : "loader", loaded_only, tried, sizeof(tried)))
                 return &cdl_runtime;
             refused_loaded[i] = loaded_only && strlen(tried) > used;
         }
@@ -546,5 +555,6 @@ PyObject *cdl_cuda_runtime_info(PyObject *module, PyObject *unused)
         (void)rt->get_last_error();
         count = 0;
     }
-    return Py_BuildValue("{s:s, s:i, s:i}", "path", cdl_runtime_path, "version", version, "device_count", count);
+    return Py_BuildValue("{s:s, s:s, s:s, s:i, s:i}", "path", cdl_runtime_path, "file", cdl_runtime_file, "source",
+                         cdl_runtime_source, "version", version, "device_count", count);
 }

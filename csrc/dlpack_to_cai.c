@@ -14,7 +14,7 @@ typedef struct {
     PyObject *shape;        /* tuple */
     PyObject *strides;      /* tuple of byte strides, or None for C-contiguous (always for empty arrays) */
     PyObject *typestr;
-    PyObject *descr;        /* [(name, typestr)] of a type no typestr names, else NULL; borrowed from dtype.c */
+    int named;              /* a type no typestr names: each interface dict gets a descr list of its own */
     PyObject *data;         /* (pointer, read_only) with byte_offset folded in; 0 when empty */
     PyObject *weakreflist;
     Py_ssize_t dims[];      /* shape, then byte strides: the buffer protocol's view of the record */
@@ -33,7 +33,7 @@ static int cdl_view_describe(cdl_view *view, const cdl_array *arr, int strides_g
     int64_t itemsize = cdl_itemsize(arr->dtype);
     int empty = 0;
     view->typestr = cdl_typestr_from_dtype(arr->dtype);
-    view->descr = cdl_descr_of_dtype(arr->dtype);
+    view->named = cdl_dtype_is_named(arr->dtype);
     view->shape = PyTuple_New(arr->ndim);
     if (view->typestr == NULL || view->shape == NULL)
         return -1;
@@ -237,18 +237,20 @@ static PyObject *cdl_call_dlpack(PyObject *obj, PyObject *stream)
 
 /* Asking a producer for the legacy stream while a blocking stream of its device captures a graph makes it
  * order its work against that stream, which invalidates the capture: refused before it is asked. The
- * common case costs one capture query of the current device (none without a loaded runtime); the
- * producer's device is asked only while a capture runs. 0, or -1 with CudaError (or the device call's). */
+ * producer's device is asked first: host data costs no CUDA call (a capture query on a thread without a
+ * context would make the current device's primary context), and no call at all is made before a runtime
+ * is loaded (nobody in this process captures through one). 0, or -1 with CudaError (or the device call's). */
 static int cdl_refuse_legacy_stream_for(PyObject *obj)
 {
-    int unusable = cdl_legacy_stream_unusable();
-    if (unusable <= 0)
-        return unusable;
+    if (cdl_cudart_loaded() == NULL)
+        return 0;
     PyObject *device = PyObject_CallMethodNoArgs(obj, cdl_name.dlpack_device);
     if (device == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError))
             return -1;
-        PyErr_Clear(); /* no device to ask about: __dlpack__ decides */
+        /* No device to ask about (none, or one the producer cannot name: torch's meta tensors): __dlpack__
+         * decides, and says why in the producer's own words. */
+        PyErr_Clear();
         return 0;
     }
     int type = -1, id = 0;
@@ -315,15 +317,17 @@ static PyObject *cdl_view_interface(cdl_view *self, int with_stream)
         if (stream == NULL)
             return NULL;
     }
-    PyObject *iface = PyDict_New();
+    PyObject *descr = self->named ? cdl_descr_new(cdl_managed_tensor(self->managed)->dtype) : NULL;
+    PyObject *iface = self->named && descr == NULL ? NULL : PyDict_New();
     if (iface == NULL || PyDict_SetItem(iface, cdl_name.shape, self->shape) < 0 ||
         PyDict_SetItem(iface, cdl_name.typestr, self->typestr) < 0 ||
         PyDict_SetItem(iface, cdl_name.data, self->data) < 0 ||
         PyDict_SetItem(iface, cdl_name.strides, self->strides) < 0 ||
         PyDict_SetItem(iface, cdl_name.version, cdl_interface_version) < 0 ||
-        (self->descr != NULL && PyDict_SetItem(iface, cdl_name.descr, self->descr) < 0) ||
+        (descr != NULL && PyDict_SetItem(iface, cdl_name.descr, descr) < 0) ||
         (stream != NULL && PyDict_SetItem(iface, cdl_name.stream, stream) < 0))
         Py_CLEAR(iface);
+    Py_XDECREF(descr);
     Py_XDECREF(stream);
     return iface;
 }
@@ -364,6 +368,16 @@ static int cdl_view_getbuffer(cdl_view *self, Py_buffer *buffer, int flags)
                      "DLPackView of device memory (DLPack device type %d) has no host buffer; use "
                      "__cuda_array_interface__ or __dlpack__",
                      (int)self->device.device_type);
+        return -1;
+    }
+    if ((flags & PyBUF_FORMAT) == PyBUF_FORMAT && self->named) {
+        /* No struct format names bfloat16 or float8 (a pad-byte one maps to no datatype in a consumer such as
+         * mpi4py, and to a nameless type in NumPy). Refused, a consumer reads what names the type: NumPy the
+         * array interface's descr, mpi4py __dlpack__ (raw bytes, as it sends the producer's own tensor). */
+        PyErr_Format(PyExc_BufferError,
+                     "DLPackView of %s: no buffer format names this type; read __array_interface__ (its descr names "
+                     "it) or __dlpack__, or ask for the buffer without a format (raw bytes)",
+                     cdl_name_of_dtype(t->dtype));
         return -1;
     }
     if ((flags & PyBUF_WRITABLE) == PyBUF_WRITABLE && self->read_only) {

@@ -12,13 +12,14 @@ typedef struct {
     uint8_t bits;
     uint16_t lanes;
     const char *typestr;
-    const char *format; /* buffer protocol (struct module) format, native order and size */
+    const char *format; /* buffer protocol (struct module) format, native order and size; NULL: none names it */
     const char *name;   /* NumPy's, ml_dtypes' and torch's name of the type */
 } cdl_dtype_entry;
 
 /* Types a typestr can name, then types it cannot (bfloat16, float8, packed float4): those are exported
- * as raw bytes of their size ('V' typestr, pad-byte format) with a one-field descr that carries the name,
- * and read back from that name (or from a NumPy dtype's name, or a dtype= the caller gives). */
+ * as raw bytes of their size ('V' typestr) with a one-field descr that carries the name, and read back from
+ * that name (or from the object's dtype, or a dtype= the caller gives). No buffer format names them: a buffer
+ * consumer that asks for a format is refused, and reads the interface or __dlpack__ instead. */
 static const cdl_dtype_entry cdl_dtype_table[] = {
     {'b', 1, kDLBool, 8, 1, "|b1", "?", "bool"},
     {'i', 1, kDLInt, 8, 1, "|i1", "b", "int8"},
@@ -34,25 +35,26 @@ static const cdl_dtype_entry cdl_dtype_table[] = {
     {'f', 8, kDLFloat, 64, 1, "<f8", "d", "float64"},
     {'c', 8, kDLComplex, 64, 1, "<c8", "Zf", "complex64"},
     {'c', 16, kDLComplex, 128, 1, "<c16", "Zd", "complex128"},
-    {'V', 2, kDLBfloat, 16, 1, "<V2", "2x", "bfloat16"},
-    {'V', 1, kDLFloat8_e3m4, 8, 1, "|V1", "x", "float8_e3m4"},
-    {'V', 1, kDLFloat8_e4m3, 8, 1, "|V1", "x", "float8_e4m3"},
-    {'V', 1, kDLFloat8_e4m3b11fnuz, 8, 1, "|V1", "x", "float8_e4m3b11fnuz"},
-    {'V', 1, kDLFloat8_e4m3fn, 8, 1, "|V1", "x", "float8_e4m3fn"},
-    {'V', 1, kDLFloat8_e4m3fnuz, 8, 1, "|V1", "x", "float8_e4m3fnuz"},
-    {'V', 1, kDLFloat8_e5m2, 8, 1, "|V1", "x", "float8_e5m2"},
-    {'V', 1, kDLFloat8_e5m2fnuz, 8, 1, "|V1", "x", "float8_e5m2fnuz"},
-    {'V', 1, kDLFloat8_e8m0fnu, 8, 1, "|V1", "x", "float8_e8m0fnu"},
+    {'V', 2, kDLBfloat, 16, 1, "<V2", NULL, "bfloat16"},
+    {'V', 1, kDLFloat8_e3m4, 8, 1, "|V1", NULL, "float8_e3m4"},
+    {'V', 1, kDLFloat8_e4m3, 8, 1, "|V1", NULL, "float8_e4m3"},
+    {'V', 1, kDLFloat8_e4m3b11fnuz, 8, 1, "|V1", NULL, "float8_e4m3b11fnuz"},
+    {'V', 1, kDLFloat8_e4m3fn, 8, 1, "|V1", NULL, "float8_e4m3fn"},
+    {'V', 1, kDLFloat8_e4m3fnuz, 8, 1, "|V1", NULL, "float8_e4m3fnuz"},
+    {'V', 1, kDLFloat8_e5m2, 8, 1, "|V1", NULL, "float8_e5m2"},
+    {'V', 1, kDLFloat8_e5m2fnuz, 8, 1, "|V1", NULL, "float8_e5m2fnuz"},
+    {'V', 1, kDLFloat8_e8m0fnu, 8, 1, "|V1", NULL, "float8_e8m0fnu"},
     /* Two 4-bit values packed in each byte (torch's float4_e2m1fn_x2): an item is one whole byte. A lone
      * 4-bit or 6-bit element is not a whole byte, which an interface cannot describe: no row. */
-    {'V', 1, kDLFloat4_e2m1fn, 4, 2, "|V1", "x", "float4_e2m1fn_x2"},
+    {'V', 1, kDLFloat4_e2m1fn, 4, 2, "|V1", NULL, "float4_e2m1fn_x2"},
 };
 #define CDL_DTYPE_COUNT (sizeof(cdl_dtype_table) / sizeof(cdl_dtype_table[0]))
 
 /* The typestrs as Python strings, made once so a view never builds one per access; for named types
- * the descr [(name, typestr)] too (NULL for the others). */
+ * the descr's one field (name, typestr) too (NULL for the others): a tuple, so sharing it is safe, put in
+ * a new list for each dict handed out (a receiver may change its list, and nobody else's). */
 static PyObject *cdl_typestr_objects[CDL_DTYPE_COUNT];
-static PyObject *cdl_descr_objects[CDL_DTYPE_COUNT];
+static PyObject *cdl_descr_fields[CDL_DTYPE_COUNT];
 /* "b1, i1, ...; by name: bfloat16, ...": what an interface may use, for error messages. */
 static char cdl_supported_text[32 * CDL_DTYPE_COUNT];
 
@@ -102,8 +104,8 @@ int cdl_dtype_init(void)
         PyOS_snprintf(cdl_supported_text + used, sizeof(cdl_supported_text) - used, "%s%s",
                       cdl_dtype_table[i - 1].kind != 'V' ? "; by name (a descr, a NumPy dtype or dtype=): " : ", ",
                       entry->name);
-        cdl_descr_objects[i] = Py_BuildValue("[(sO)]", entry->name, cdl_typestr_objects[i]);
-        if (cdl_descr_objects[i] == NULL)
+        cdl_descr_fields[i] = Py_BuildValue("(sO)", entry->name, cdl_typestr_objects[i]);
+        if (cdl_descr_fields[i] == NULL)
             return -1;
     }
     return 0;
@@ -237,17 +239,46 @@ int cdl_dtype_from_request(PyObject *requested, DLDataType *out)
 }
 
 /* The name a NumPy-style interface gives its one-field descr [(name, typestr)], or NULL (no exception):
- * NumPy's default descr [("", typestr)] names nothing. Borrowed. */
+ * NumPy's default descr [("", typestr)] names nothing. A new reference: the list is the producer's, and
+ * another thread may change it, so its one item is taken inside a critical section (the field is a tuple,
+ * which nobody can change). */
 static PyObject *cdl_name_in_descr(PyObject *descr, PyObject *typestr)
 {
-    if (descr == NULL || !PyList_Check(descr) || PyList_GET_SIZE(descr) != 1)
+    if (descr == NULL || !PyList_Check(descr))
         return NULL;
-    PyObject *field = PyList_GET_ITEM(descr, 0);
-    if (!PyTuple_Check(field) || PyTuple_GET_SIZE(field) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(field, 0)) ||
-        !PyUnicode_Check(PyTuple_GET_ITEM(field, 1)) ||
-        PyUnicode_Compare(PyTuple_GET_ITEM(field, 1), typestr) != 0 || PyUnicode_GET_LENGTH(PyTuple_GET_ITEM(field, 0)) == 0)
-        return NULL;
-    return PyTuple_GET_ITEM(field, 0);
+    PyObject *field = NULL;
+    CDL_BEGIN_CRITICAL_SECTION(descr);
+    if (PyList_GET_SIZE(descr) == 1)
+        field = Py_NewRef(PyList_GET_ITEM(descr, 0));
+    CDL_END_CRITICAL_SECTION();
+    PyObject *name = NULL;
+    if (field != NULL && PyTuple_Check(field) && PyTuple_GET_SIZE(field) == 2 &&
+        PyUnicode_Check(PyTuple_GET_ITEM(field, 0)) && PyUnicode_Check(PyTuple_GET_ITEM(field, 1)) &&
+        PyUnicode_GET_LENGTH(PyTuple_GET_ITEM(field, 0)) != 0 &&
+        PyUnicode_Compare(PyTuple_GET_ITEM(field, 1), typestr) == 0)
+        name = Py_NewRef(PyTuple_GET_ITEM(field, 0));
+    Py_XDECREF(field);
+    return name;
+}
+
+/* The name of an object's element type, from its dtype: a NumPy (or ml_dtypes, CuPy, JAX) dtype's str
+ * name, or a torch.dtype's str ("torch.bfloat16"), whose type carries no name attribute. Nothing else is
+ * read as a name: an unknown dtype object names nothing. A new reference, or NULL (no exception). */
+static PyObject *cdl_name_of_object_dtype(PyObject *obj)
+{
+    PyObject *dtype = NULL, *name = NULL;
+    if (obj == NULL || cdl_lookup_attribute(obj, cdl_name.dtype, &dtype) <= 0)
+        goto done;
+    if (cdl_lookup_attribute(dtype, cdl_name.name, &name) > 0 && PyUnicode_Check(name))
+        goto done;
+    Py_CLEAR(name);
+    PyErr_Clear();
+    if (strcmp(Py_TYPE(dtype)->tp_name, "torch.dtype") == 0)
+        name = PyObject_Str(dtype);
+done:
+    PyErr_Clear(); /* a failing dtype property only means "no name" here */
+    Py_XDECREF(dtype);
+    return name;
 }
 
 int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj, const DLDataType *requested,
@@ -269,13 +300,12 @@ int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj,
     }
     if (cdl_dtype_from_kind(kind, itemsize, out) == 0)
         return 0;
-    /* A type no typestr names: the descr's name (our views', NumPy's for a named field), else the dtype
-     * name of a NumPy array (ml_dtypes arrays lose it in their descr: [("", "<V2")]). */
-    PyObject *name = Py_XNewRef(cdl_name_in_descr(descr, typestr)), *dtype = NULL;
-    if (name == NULL && obj != NULL && cdl_lookup_attribute(obj, cdl_name.dtype, &dtype) > 0)
-        (void)cdl_lookup_attribute(dtype, cdl_name.name, &name);
-    PyErr_Clear(); /* a failing dtype property only means "no name" here */
-    Py_XDECREF(dtype);
+    /* A type no typestr names: the descr's name (our views', NumPy's for a named field), else the name of
+     * the object's dtype (ml_dtypes arrays lose it in their descr, [("", "<V2")]; torch's interface has no
+     * descr at all). The item size must agree with the name's: never a guess from the size alone. */
+    PyObject *name = cdl_name_in_descr(descr, typestr);
+    if (name == NULL)
+        name = cdl_name_of_object_dtype(obj);
     int row = name ? cdl_row_of_name(name) : -1;
     Py_XDECREF(name);
     if (row < 0 || itemsize != cdl_dtype_table[row].itemsize)
@@ -284,10 +314,23 @@ int cdl_parse_interface_dtype(PyObject *typestr, PyObject *descr, PyObject *obj,
     return 1;
 }
 
-PyObject *cdl_descr_of_dtype(DLDataType dtype)
+int cdl_dtype_is_named(DLDataType dtype)
 {
     int row = cdl_row_of_dtype(dtype);
-    return row < 0 ? NULL : cdl_descr_objects[row];
+    return row >= 0 && cdl_descr_fields[row] != NULL;
+}
+
+PyObject *cdl_descr_new(DLDataType dtype)
+{
+    int row = cdl_row_of_dtype(dtype);
+    if (row < 0 || cdl_descr_fields[row] == NULL) {
+        PyErr_SetString(PyExc_SystemError, "cai_dlpack: a descr asked of a type a typestr names");
+        return NULL;
+    }
+    PyObject *descr = PyList_New(1);
+    if (descr != NULL)
+        PyList_SET_ITEM(descr, 0, Py_NewRef(cdl_descr_fields[row]));
+    return descr;
 }
 
 int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *out)
@@ -305,7 +348,8 @@ int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *o
     size_t length = strlen(format);
     for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
         const char *known = cdl_dtype_table[i].format;
-        if (known[0] == format[0] && strcmp(known, format) == 0 && cdl_dtype_table[i].itemsize == itemsize)
+        if (known != NULL && known[0] == format[0] && strcmp(known, format) == 0 &&
+            cdl_dtype_table[i].itemsize == itemsize)
             return cdl_dtype_from_kind(cdl_dtype_table[i].kind, itemsize, out);
     }
     /* Formats of C's integer types whose size the table's fixed-size formats also cover: the size
@@ -318,6 +362,12 @@ int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *o
             return cdl_dtype_from_kind('u', itemsize, out);
     }
     return -1;
+}
+
+const char *cdl_name_of_dtype(DLDataType dtype)
+{
+    int row = cdl_row_of_dtype(dtype);
+    return row < 0 ? "an unknown type" : cdl_dtype_table[row].name;
 }
 
 const char *cdl_format_from_dtype(DLDataType dtype)

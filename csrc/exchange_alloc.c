@@ -4,6 +4,7 @@
 #include "cdl_internal.h"
 #include "cuda_runtime_table.h"
 
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -84,6 +85,12 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
     char message[256];
     int32_t ndim = prototype->ndim;
     uint64_t bytes = (uint64_t)cdl_itemsize(prototype->dtype);
+    if (prototype->dtype.bits == 0 || prototype->dtype.lanes == 0) {
+        snprintf(message, sizeof(message), "cai_dlpack allocator: prototype dtype (code=%d, bits=%d, lanes=%d) has "
+                 "no size", (int)prototype->dtype.code, (int)prototype->dtype.bits, (int)prototype->dtype.lanes);
+        set_error(error_ctx, "ValueError", message);
+        return -1;
+    }
     if (ndim < 0 || ndim > CDL_MAX_NDIM || (ndim > 0 && prototype->shape == NULL)) {
         set_error(error_ctx, "ValueError", "cai_dlpack allocator: bad prototype ndim or shape");
         return -1;
@@ -93,6 +100,15 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
             set_error(error_ctx, "ValueError", "cai_dlpack allocator: bad or overflowing prototype shape");
             return -1;
         }
+    }
+    /* The host block is rounded up to whole 64-byte lines, and no allocator hands out more than PTRDIFF_MAX
+     * bytes: a count past that is refused here, before any rounding could wrap it to a few bytes. */
+    if (bytes > (uint64_t)PTRDIFF_MAX - 63) {
+        snprintf(message, sizeof(message),
+                 "cai_dlpack allocator: the prototype needs %llu bytes, more than any allocation can hold",
+                 (unsigned long long)bytes);
+        set_error(error_ctx, "MemoryError", message);
+        return -1;
     }
     cdl_made_tensor *made = calloc(1, sizeof(cdl_made_tensor) + 2 * (size_t)ndim * sizeof(int64_t));
     if (made == NULL) {

@@ -166,8 +166,13 @@ PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject
 static int cdl_take_from_capsule(PyObject *capsule, cdl_managed *out)
 {
     const char *name = PyCapsule_GetName(capsule);
-    if (name == NULL)
+    if (name == NULL) {
+        /* A nameless capsule is valid and has no error to report: it is simply no DLPack tensor. */
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "a PyCapsule without a name is not a DLPack tensor (expected one "
+                            "named 'dltensor' or 'dltensor_versioned')");
         return -1;
+    }
     out->versioned = strcmp(name, cdl_capsule_name_versioned) == 0;
     if (!out->versioned && strcmp(name, cdl_capsule_name_legacy) != 0) {
         if (strcmp(name, cdl_used_name_legacy) == 0 || strcmp(name, cdl_used_name_versioned) == 0)

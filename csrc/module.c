@@ -59,8 +59,9 @@ static PyMethodDef cdl_module_methods[] = {
      "export_stream=False: views export 'stream': None. Returns the settings now in force."},
     {"cuda_runtime_info", cdl_cuda_runtime_info, METH_NOARGS,
      "cuda_runtime_info($module, /)\n--\n\n"
-     "A dict: path, version and device count of the CUDA runtime in use "
-     "(loads it; RuntimeError saying what was searched if there is none)."},
+     "A dict: path (as opened), file (the file the loader mapped), source (how it was found: "
+     "'CAI_DLPACK_CUDART', 'preloaded', 'loader' or 'pip wheel'), version and device count of the CUDA runtime "
+     "in use (loads it; RuntimeError saying what was searched if there is none)."},
     {"_interface_cache_info", cdl_interface_cache_info, METH_NOARGS,
      "_interface_cache_info($module, /)\n--\n\n"
      "Whether validated interface dicts are kept, and how often one was reused or kept (for tests)."},

@@ -20,10 +20,13 @@ _Atomic int cdl_option_export_stream = 1;
  * its context may be gone).
  * A capture's external wait is different: the graph keeps the event and waits, at each launch, on its
  * latest record. Such events are kept apart, one per context and producer stream, and recorded only
- * on that stream outside any capture, so a graph waits at most on later work of the same stream. */
+ * on that stream outside any capture, so a graph waits at most on later work of the same stream. The
+ * per-thread default stream is one value (2) for every thread but a different stream in each: its events
+ * are kept per thread too, or another thread's record would move what this thread's graph waits on. */
 typedef struct {
     unsigned long long key;
     int64_t external_for; /* the producer stream of an external wait's event; 0 for the shared one */
+    unsigned long thread; /* for external_for 2, the thread whose per-thread stream it is; else 0 */
     cudaEvent_t event;
 } cdl_pool_entry;
 #define CDL_POOL_LIMIT 64
@@ -136,11 +139,19 @@ static int cdl_pool_key(const cdl_cudart *rt, const cdl_device_scope *scope, int
     return code == 0 ? 0 : cdl_raise_driver_error("cuCtxGetId", code);
 }
 
+/* The thread an external wait's event belongs to: the caller for the per-thread default stream, else 0. */
+static unsigned long cdl_pool_thread(int64_t external_for)
+{
+    return external_for == CDL_STREAM_PER_THREAD ? PyThread_get_thread_ident() : 0;
+}
+
 /* The pool's entry for key (and the producer stream of an external wait, or 0), or NULL. Lock held. */
 static cdl_pool_entry *cdl_pool_find(unsigned long long key, int64_t external_for)
 {
+    const unsigned long thread = cdl_pool_thread(external_for);
     for (int i = 0; i < cdl_event_pool_used; i++) {
-        if (cdl_event_pool[i].key == key && cdl_event_pool[i].external_for == external_for)
+        if (cdl_event_pool[i].key == key && cdl_event_pool[i].external_for == external_for &&
+            cdl_event_pool[i].thread == thread)
             return &cdl_event_pool[i];
     }
     return NULL;
@@ -162,6 +173,7 @@ static int cdl_pooled_event(const cdl_cudart *rt, unsigned long long key, int64_
     cdl_event_pool_next = (cdl_event_pool_next + 1) % CDL_POOL_LIMIT;
     entry->key = key;
     entry->external_for = external_for;
+    entry->thread = cdl_pool_thread(external_for);
     entry->event = *event;
     return 0;
 }
@@ -408,17 +420,6 @@ int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out)
     if (enter && cdl_device_leave(rt, &scope) != 0 && result == 0)
         result = cdl_raise_scope_error(&scope);
     return result;
-}
-
-int cdl_legacy_stream_unusable(void)
-{
-    const cdl_cudart *rt = cdl_cudart_loaded();
-    if (rt == NULL)
-        return 0; /* no runtime loaded: nobody in this process captures through it */
-    cdl_capture legacy;
-    if (cdl_capture_of(rt, CDL_STREAM_LEGACY, &legacy) < 0)
-        return -1;
-    return legacy.state == CDL_CAPTURE_LEGACY_UNUSABLE;
 }
 
 int cdl_current_work_stream(DLDeviceType device_type, int32_t device_id, void **out)

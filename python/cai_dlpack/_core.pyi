@@ -1,6 +1,6 @@
 # Types of the C extension cai_dlpack._core, for editors and type checkers. The C functions carry the
 # same signatures as text (inspect.signature); tests/cpu/test_typing.py checks that the two agree.
-from typing import Any, ClassVar, Protocol, TypedDict, final
+from typing import Any, ClassVar, Literal, Protocol, TypedDict, final
 
 from typing_extensions import CapsuleType, Self, TypeAlias, disjoint_base
 
@@ -15,6 +15,8 @@ _Stream: TypeAlias = int | _SupportsCudaStream | None
 
 class _RuntimeInfo(TypedDict):
     path: str
+    file: str
+    source: Literal["CAI_DLPACK_CUDART", "preloaded", "loader", "pip wheel"]
     version: int
     device_count: int
 

@@ -3,6 +3,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <cai_dlpack/cai_dlpack.h>
+#include <limits.h>
 
 static const cai_dlpack_api *api;
 
@@ -86,13 +87,17 @@ static PyObject *managed(PyObject *self, PyObject *args)
     return fields;
 }
 
-/* view(obj, stream) -> a DLPackView made from an owning tensor */
+/* view(obj, stream[, view_stream]) -> a DLPackView made from an owning tensor taken on stream, its data
+ * said to be ready on view_stream (default: stream) */
 static PyObject *view(PyObject *self, PyObject *args)
 {
     (void)self;
-    long long stream;
-    DLManagedTensorVersioned *m = managed_of(args, &stream);
-    return m == NULL ? NULL : api->view_from_managed_tensor(m, stream);
+    PyObject *obj;
+    long long stream, view_stream = LLONG_MIN;
+    DLManagedTensorVersioned *m;
+    if (!PyArg_ParseTuple(args, "OL|L", &obj, &stream, &view_stream) || api->to_managed_tensor(obj, stream, &m) < 0)
+        return NULL;
+    return api->view_from_managed_tensor(m, view_stream == LLONG_MIN ? stream : view_stream);
 }
 
 /* sum_float64(obj) -> the sum of a host float64 array of any layout: the "kernel" of this library */

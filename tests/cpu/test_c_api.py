@@ -277,3 +277,72 @@ def test_exchange_allocator_is_a_consumers_first_call(cudart, example):
     assert missing.returncode == 0, missing.stderr
     assert missing.stdout.startswith(
         "REFUSED RuntimeError: cai_dlpack allocator: 20 bytes on device (2, 0): no CUDA runtime found")
+
+
+@pytest.mark.parametrize("shape,code_bits", [((2**61 - 1,), (2, 64)), ((2**60, 8), (2, 8)),
+                                             ((2**31, 2**31, 2**1), (1, 8)), ((2**63 - 1,), (1, 8))])
+def test_exchange_allocator_refuses_sizes_no_allocation_holds(example, shape, code_bits):
+    """A byte count whose rounding up to 64-byte lines would wrap (float64 x (2**61 - 1) is 2**64 - 8 bytes) is
+    refused before any rounding, not handed out as a block of a few bytes a consumer then writes past."""
+    with pytest.raises(RuntimeError, match="MemoryError: cai_dlpack allocator: the prototype needs"):
+        example.exchange_allocate(DLPackShim, code_bits, shape, (1, 0))
+
+
+@pytest.mark.parametrize("code_bits", [(2, 0), (0, 0)])
+def test_exchange_allocator_refuses_a_dtype_without_size(example, code_bits):
+    with pytest.raises(RuntimeError, match=r"ValueError: cai_dlpack allocator: prototype dtype .* has no size"):
+        example.exchange_allocate(DLPackShim, code_bits, (4,), (1, 0))
+
+
+def test_to_managed_tensor_refuses_a_bare_dict(example):
+    """A tensor owned by a dict keeps nothing alive: the memory it describes is another object's."""
+    x = np.arange(4.0)
+    for call in (lambda d: example.managed(d, 1), lambda d: example.view(d, 1)):
+        with pytest.raises(TypeError, match="to_managed_tensor\\(\\) of a bare interface dict"):
+            call(dict(x.__array_interface__))
+
+
+class Owner:
+    """Host memory behind an array interface, with a weak reference to tell when the tensor let it go."""
+
+    def __init__(self):
+        self.array = np.arange(6.0)
+        self.__array_interface__ = self.array.__array_interface__
+
+
+@pytest.mark.parametrize("stream", [-5, 0, -(2**40)])
+def test_view_from_managed_tensor_refuses_a_bad_stream_and_deletes_the_tensor(example, stream):
+    owner = Owner()
+    gone = weakref.ref(owner)
+    with pytest.raises(ValueError, match=f"consumer stream {stream} is not a valid stream"):
+        example.view(owner, 1, stream)
+    del owner
+    gc.collect()
+    assert gone() is None  # the stolen tensor's deleter ran: its owner is free
+
+
+@pytest.mark.parametrize("stream", [-1, 1, 2, 0x5000])
+def test_view_from_managed_tensor_takes_the_array_api_streams(example, stream):
+    view = example.view(Owner(), 1, stream)
+    assert view.shape == (6,) and np.asarray(view).sum() == 15.0
+
+
+class Reshaping(torch.Tensor):
+    """A tensor whose checks (run between the exchange table lending its DLTensor and our reading of it) change
+    the tensor's own shape and strides, which the lent DLTensor points into."""
+
+    def is_neg(self):
+        with torch.no_grad():
+            self.set_(torch.zeros(7, dtype=self.dtype))
+        return False
+
+
+def test_fill_tensor_reads_the_lent_tensor_before_running_python(example):
+    base = torch.arange(12.0).reshape(3, 4)
+    keep = base.clone()
+    tensor = base.as_subclass(Reshaping)
+    expected = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+    fields = example.fill(tensor, -1)
+    assert tuple(tensor.shape) == (7,)  # the check did run, and changed the tensor
+    assert (fields["data"], fields["shape"], fields["strides"]) == expected
+    del keep

@@ -169,4 +169,5 @@ def test_current_device_query_error(cudart):
 def test_cuda_runtime_info_reports_the_double(cudart):
     info = cai_dlpack.cuda_runtime_info()
     assert info["path"].endswith("libcudart_double.so")
+    assert info["source"] == "CAI_DLPACK_CUDART" and info["file"] == info["path"]
     assert info["device_count"] == 4 and info["version"] == 13000

@@ -11,8 +11,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from cai_dlpack import CudaError, cai2dlpack, cuda_runtime_info
-from support import cuda_double
+from cai_dlpack import CudaError, DLPackShim, cai2dlpack, cuda_runtime_info, dlpack2cai
+from support import c_example, cuda_double
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, MANAGED, PINNED_HOST
 
@@ -275,3 +275,19 @@ def test_the_gpu_suites_reset_script_against_the_double():
     child = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr
     assert child.stdout.strip() == "converted after a reset"
+
+
+def test_host_data_costs_no_cuda_call(cudart):
+    """Once a conversion has loaded the runtime, converting host data still makes no CUDA call at all: on a thread
+    without a context, a capture query would make the current device's primary context (hundreds of MiB on a GPU
+    the caller never used). Through every door that takes a host producer."""
+    example = c_example.build()
+    cudart.drop_context(0)
+    host = np.arange(6.0)
+    for convert in (lambda: dlpack2cai(host), lambda: example.managed(host, 1),
+                    lambda: example.view(host, 1), lambda: example.fill(host, 1), lambda: dlpack2cai(DLPackShim(host)),
+                    lambda: cai2dlpack(host, stream=1)):
+        cudart.clear_log()
+        result = convert()
+        assert result is not None
+        assert cudart.log() == [] and cudart.primary_contexts == set() and cudart.context_device == -1

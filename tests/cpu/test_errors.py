@@ -179,6 +179,43 @@ def test_array_interface_with_data_none_uses_the_objects_buffer():
     assert b[0] == 9
 
 
+def test_array_interface_without_data_uses_the_objects_buffer():
+    """NumPy reads a missing 'data' as None: the object's own buffer."""
+    class Buffered(bytearray):
+        @property
+        def __array_interface__(self):
+            return {"shape": (len(self) // 2,), "typestr": "<u2", "version": 3}
+
+    b = Buffered(b"\x01\x00\x02\x00")
+    for y in (np.from_dlpack(DLPackShim(b)), np.asarray(dlpack2cai(cai2dlpack(b)))):
+        assert y.tolist()[1:] == [2]
+        y[0] = y[0] + 7
+        assert b[0] == y[0]  # the same memory
+    with pytest.raises(ValueError, match="__cuda_array_interface__ lacks the required key 'data'"):
+        cai2dlpack({"shape": (2,), "typestr": "<u2", "version": 3}, owner=b)
+
+
+def test_strides_of_dimensions_of_extent_one_may_be_any_bytes():
+    """A stride on a dimension of extent 1 (or 0) is never used: NumPy exports views whose such strides are no
+    multiple of the itemsize, and so does the bridge, through the buffer and through the interface."""
+    base = np.arange(40, dtype=np.uint8)
+    odd = np.lib.stride_tricks.as_strided(base[1:].view(np.uint8), shape=(1, 2), strides=(17, 8))
+    x = np.lib.stride_tricks.as_strided(np.zeros(16, np.float32), shape=(1, 2), strides=(17, 8))
+    x[0, 1] = 5.0
+    assert np.from_dlpack(x).tolist() == [[0.0, 5.0]]  # NumPy's own exporter takes it
+    holder = type("Holder", (), {})()
+    holder.__array_interface__ = x.__array_interface__
+    for source in (x, holder):
+        for y in (np.from_dlpack(DLPackShim(source)), np.asarray(dlpack2cai(cai2dlpack(source)))):
+            assert y.tolist() == [[0.0, 5.0]]
+            assert y.__array_interface__["data"][0] == x.__array_interface__["data"][0]
+    empty = np.lib.stride_tricks.as_strided(np.zeros(4, np.float32), shape=(0, 2), strides=(3, 4))
+    assert np.from_dlpack(DLPackShim(empty)).shape == (0, 2)
+    with pytest.raises(ValueError, match="'strides'\\[1\\] is 6 bytes, not a multiple of the itemsize 4"):
+        cai2dlpack(np.lib.stride_tricks.as_strided(np.zeros(8, np.float32), shape=(1, 2), strides=(17, 6)))
+    del odd
+
+
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(copy=True), BufferError, "copy=True"),
     (dict(copy="yes"), TypeError, "copy must be None or a bool"),
@@ -261,6 +298,19 @@ def test_foreign_capsule():
     other = ctypes.pythonapi.PyCapsule_New(8, b"something_else", None)
     with pytest.raises(TypeError, match="named something_else is not a DLPack tensor"):
         dlpack2cai(other)
+
+
+def test_nameless_capsule():
+    """PyCapsule_GetName answers NULL without an error for a capsule with no name: still a TypeError, never a
+    SystemError (a NULL return with nothing set)."""
+    import ctypes
+
+    ctypes.pythonapi.PyCapsule_New.restype = ctypes.py_object
+    ctypes.pythonapi.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    nameless = ctypes.pythonapi.PyCapsule_New(8, None, None)
+    for call in (lambda: dlpack2cai(nameless), lambda: np.asarray(dlpack2cai(nameless))):
+        with pytest.raises(TypeError, match="a PyCapsule without a name is not a DLPack tensor"):
+            call()
 
 
 def test_used_capsule_is_refused():

@@ -222,3 +222,39 @@ def test_options_change_while_other_threads_convert(cudart):
     finally:
         options(**before)
     assert options() == before
+
+
+def test_a_descr_list_changed_by_another_thread_is_read_whole():
+    """A producer's descr list, replaced item by item by one thread while others convert: each conversion reads the
+    list as it is at one moment, so it names bfloat16 (its item) or nothing (refused), never a torn read."""
+    raw = np.zeros(8, dtype=np.uint16)
+    descr = [("bfloat16", "<V2")]
+
+    class Named:
+        __array_interface__ = {"shape": (8,), "typestr": "<V2", "descr": descr,
+                               "data": (raw.__array_interface__["data"][0], False), "version": 3}
+
+    stop = threading.Event()
+    outcomes = {"named": 0, "refused": 0}
+
+    def work(i):
+        if i == 0:
+            for round_ in range(3000):
+                descr[0] = ("", "<V2") if round_ % 2 else ("bfloat16", "<V2")
+                descr.append(("extra", "|u1")) if round_ % 3 == 0 else None
+                del descr[1:]
+            stop.set()
+            return
+        while not stop.is_set():
+            try:
+                capsule = cai2dlpack(Named(), max_version=(1, 0))
+            except ValueError as error:
+                assert "has no DLPack equivalent" in str(error)
+                outcomes["refused"] += 1
+            else:
+                view = dlpack2cai(capsule)
+                assert view.__array_interface__["descr"] == [("bfloat16", "<V2")] and np.asarray(view).itemsize == 2
+                outcomes["named"] += 1
+
+    assert run_threads(work, 4) == []
+    assert outcomes["named"] > 0

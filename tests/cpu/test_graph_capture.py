@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -292,6 +293,30 @@ def test_external_wait_uses_its_own_event_per_producer_stream(cudart, data):
     cudart.clear_log()
     cai2dlpack(CaiArray(data, stream=P_HANDLE), stream=C_HANDLE)  # after the capture: the shared event again
     assert events_used(cudart.log()) == [shared, shared] and cudart.events_created == created
+
+
+def test_per_thread_producer_streams_of_two_threads_have_their_own_external_events(cudart, data):
+    """Every thread's per-thread default stream is the value 2, but each is a different stream: a graph that waits
+    on thread A's stream 2 must never see that event recorded again on thread B's, or a replay would run after B's
+    work instead of A's. The double models stream 2 per thread and counts such a record as a violation."""
+    first = cudart.begin_capture(C_HANDLE, 0, RELAXED)
+    second = cudart.begin_capture(C_HANDLE + 1, 0, RELAXED)
+    used = {}
+
+    def convert(name, consumer):
+        log_start = len(cudart.log())
+        cai2dlpack(CaiArray(data, stream=PER_THREAD), stream=consumer)
+        used[name] = events_used(cudart.log()[log_start:])
+
+    convert("main", C_HANDLE)
+    worker = threading.Thread(target=convert, args=("worker", C_HANDLE + 1))
+    worker.start()
+    worker.join()
+    convert("main again", C_HANDLE)  # the same thread's stream 2: the same event as before
+    assert used["main"][0] == used["main"][1] == used["main again"][0]
+    assert used["worker"][0] == used["worker"][1] != used["main"][0]
+    assert cudart.violations == 0, cudart.log()
+    assert cudart.end_capture(first) and cudart.end_capture(second)
 
 
 def test_a_producer_on_another_device_joins_the_capture_in_its_context(cudart):

@@ -106,3 +106,67 @@ def test_c_doors_carry_the_exact_type():
     assert example.fill(DLPackShim(dlpack2cai(packed)), -1)["dtype"] == (17, 4, 2)
     assert example.fill(DLPackShim(np.zeros(4, np.uint8), dtype=torch.float8_e5m2), -1)["dtype"] == (12, 8, 1)
     assert example.managed(dlpack2cai(torch.zeros(3, dtype=torch.float8_e4m3fn)), -1)["dtype"] == (10, 8, 1)
+
+
+def test_what_a_view_hands_out_is_the_receivers_own():
+    """Each interface dict a view hands out, its descr list included, belongs to its receiver: editing one (as a
+    consumer may) changes no other view's type, and the next conversion still says bfloat16."""
+    first = dlpack2cai(make(torch.bfloat16, torch.int16))
+    handed = first.__array_interface__
+    handed["descr"][0] = ("float16", "<V2")
+    handed["descr"].append(("x", "|u1"))
+    handed["typestr"] = "<f2"
+    second = dlpack2cai(make(torch.bfloat16, torch.int16))
+    for view in (first, second):
+        assert view.__array_interface__["descr"] == [("bfloat16", "<V2")]
+        assert view.__array_interface__["descr"] is not handed["descr"]
+        assert torch.from_dlpack(DLPackShim(view)).dtype == torch.bfloat16
+    assert isinstance(first.shape, tuple) and isinstance(first.strides, (tuple, type(None)))
+
+
+class TorchInterface:
+    """A torch tensor described as torch itself describes it in an array interface: bfloat16 is "<V2" with no
+    descr, and the object's dtype is the torch.dtype."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.dtype = tensor.dtype
+        self.__array_interface__ = {"shape": tuple(tensor.shape), "typestr": "<V2" if tensor.element_size() == 2
+                                    else "|V1", "data": (tensor.data_ptr(), False), "version": 3,
+                                    "strides": tuple(s * tensor.element_size() for s in tensor.stride())}
+
+
+@pytest.mark.parametrize("dtype,bits_type", [(torch.bfloat16, torch.int16), (torch.float8_e4m3fn, torch.uint8),
+                                             (torch.float8_e5m2, torch.uint8)])
+def test_the_objects_torch_dtype_names_the_type(dtype, bits_type):
+    t = make(dtype, bits_type)
+    back = torch.from_dlpack(DLPackShim(TorchInterface(t)))
+    assert back.dtype == dtype and back.data_ptr() == t.data_ptr()
+    assert torch.equal(back.view(bits_type), t.view(bits_type))
+
+
+def test_a_dtype_that_names_nothing_known_is_refused():
+    """Never a guess from the item size alone: a dtype object that is no NumPy dtype or torch.dtype, or a name
+    whose size differs from the typestr's, names nothing."""
+    t = make(torch.bfloat16, torch.int16)
+    obj = TorchInterface(t)
+    for dtype in (object(), "bfloat16", type("dtype", (), {"name": 3})(), torch.float8_e4m3fn):
+        obj.dtype = dtype
+        with pytest.raises(UnsupportedArrayError, match="'typestr' '<V2' has no DLPack equivalent"):
+            DLPackShim(obj).__dlpack__()
+
+
+@pytest.mark.parametrize("dtype,bits_type", [(torch.bfloat16, torch.int16), (torch.float8_e5m2, torch.uint8),
+                                             (torch.float4_e2m1fn_x2, torch.uint8)])
+def test_no_buffer_format_is_given_for_a_type_none_names(dtype, bits_type):
+    """No struct format names these types, so a buffer consumer that asks for one is refused (mpi4py then reads
+    __dlpack__, as it does the producer's own tensor); NumPy reads the interface, whose descr names the type."""
+    t = make(dtype, bits_type)
+    view = dlpack2cai(t)
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(BufferError, match=f"DLPackView of {name}: no buffer format names this type"):
+        memoryview(view)
+    a = np.asarray(view)
+    assert a.dtype.names == (name,) and a.dtype.itemsize == t.element_size()
+    assert a.__array_interface__["data"][0] == t.data_ptr()
+    assert np.array_equal(a.view(np.int16 if bits_type == torch.int16 else np.uint8), t.view(bits_type).numpy())

@@ -24,7 +24,15 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def run_probe(hide_wheels=None, preload=None, **env_changes):
+# What cuda_runtime_info says of the runtime it loaded: how it was found, and the file the loader mapped.
+INFO_PROBE = textwrap.dedent("""
+    import cai_dlpack
+    info = cai_dlpack.cuda_runtime_info()
+    print(info["source"], info["file"])
+""")
+
+
+def run_probe(hide_wheels=None, preload=None, probe=PROBE, **env_changes):
     env = {k: v for k, v in os.environ.items() if k != "CAI_DLPACK_CUDART"}
     env.update(env_changes)
     if hide_wheels is not None:
@@ -32,7 +40,7 @@ def run_probe(hide_wheels=None, preload=None, **env_changes):
         (hide_wheels / "nvidia").mkdir()
         (hide_wheels / "nvidia" / "__init__.py").write_text("")
         env["PYTHONPATH"] = str(hide_wheels)
-    probe = PROBE if preload is None else f"import ctypes; ctypes.CDLL({str(preload)!r})\n" + PROBE
+    probe = probe if preload is None else f"import ctypes; ctypes.CDLL({str(preload)!r})\n" + probe
     result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
@@ -56,6 +64,8 @@ def test_named_runtime_is_used():
     out = run_probe(CAI_DLPACK_CUDART=os.environ["CAI_DLPACK_CUDART"])
     # The double knows no pointer: loading worked and the pointer query answered.
     assert out.startswith("ERROR BufferError") and "not memory the CUDA runtime knows" in out
+    assert run_probe(probe=INFO_PROBE, CAI_DLPACK_CUDART=os.environ["CAI_DLPACK_CUDART"]) == \
+        f"CAI_DLPACK_CUDART {os.environ['CAI_DLPACK_CUDART']}"
 
 
 def test_search_order_is_reported_when_nothing_is_found(tmp_path):
@@ -90,6 +100,8 @@ def test_runtime_inside_nvidia_wheels_is_found(tmp_path):
         assert "PATH" in out and "libcudart.so.1" in out, out
         return
     assert out.startswith("ERROR BufferError") and "not memory the CUDA runtime knows" in out
+    result = subprocess.run([sys.executable, "-c", INFO_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == f"pip wheel {lib / 'libcudart.so.13'}", result.stdout + result.stderr
 
 
 def test_runtime_needing_a_newer_driver_is_refused():
@@ -128,9 +140,14 @@ def test_runtime_the_process_already_loaded_is_preferred(tmp_path):
     out = run_probe(preload=loaded, LD_LIBRARY_PATH=str(tmp_path / "on_path"))
     assert out.startswith("ERROR BufferError"), out
     assert out.endswith("PATH libcudart.so.12"), out
+    # cuda_runtime_info names the copy the loader chose behind the soname, and how it was found.
+    info = run_probe(preload=loaded, probe=INFO_PROBE, LD_LIBRARY_PATH=str(tmp_path / "on_path"))
+    assert info == f"preloaded {loaded}", info
     # Without it in the process, the search takes the newest on the path.
     out = run_probe(LD_LIBRARY_PATH=str(tmp_path / "on_path"))
     assert out.endswith("PATH libcudart.so.13"), out
+    info = run_probe(probe=INFO_PROBE, LD_LIBRARY_PATH=str(tmp_path / "on_path"))
+    assert info == f"loader {tmp_path / 'on_path' / 'libcudart.so.13'}", info
 
 
 def test_loaded_runtime_refused_is_listed_once(tmp_path):

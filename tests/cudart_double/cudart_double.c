@@ -82,6 +82,40 @@ static int capture_count;
 static unsigned long long next_capture_id = 1;
 static unsigned long long event_capture[MAX_EVENTS]; /* the capture of the event's last record, or 0 */
 static int violations;
+/* The stream an event was last recorded on: the per-thread default stream 2 is a different stream on each
+ * thread (and device), so its identity is (handle, device, thread). */
+typedef struct {
+    uintptr_t handle;
+    int device;
+    pthread_t thread;
+} stream_identity;
+static stream_identity event_stream[MAX_EVENTS];
+/* A graph's external wait: at each launch the graph waits on the event's latest record, so a later record
+ * of that event on another stream than the one the capture waited for lets a replay run ahead of the work it
+ * was ordered after. Such a record is counted as a violation. */
+#define MAX_EXTERNAL_WAITS 64
+static struct {
+    int event;
+    unsigned long long capture;
+    stream_identity source;
+} external_waits[MAX_EXTERNAL_WAITS];
+static int external_wait_count;
+
+/* An event destroyed (or its context reset) is waited on by no graph: its id may be made again. Lock held. */
+static void forget_external_waits(int event)
+{
+    int kept = 0;
+    for (int i = 0; i < external_wait_count; i++)
+        if (external_waits[i].event != event)
+            external_waits[kept++] = external_waits[i];
+    external_wait_count = kept;
+}
+
+static int same_stream(stream_identity a, stream_identity b)
+{
+    return a.handle == b.handle && (a.handle > 2 || a.device == b.device) &&
+           (a.handle != 2 || pthread_equal(a.thread, b.thread));
+}
 static __thread int thread_capture_mode = MODE_GLOBAL;
 
 static const struct { int code; const char *name; const char *text; } error_table[] = {
@@ -173,13 +207,14 @@ static unsigned primary_active(void)
     return active;
 }
 
-/* The capture running on stream (the per-thread default stream: the current device's), or NULL. The
- * legacy stream never captures. Lock held. */
+/* The capture running on stream (the per-thread default stream: the calling thread's, of the current device),
+ * or NULL. The legacy stream never captures. Lock held. */
 static int capture_index(cudaStream_t stream)
 {
     uintptr_t handle = (uintptr_t)stream;
     for (int i = 0; handle != 1 && i < capture_count; i++)
-        if (captures[i].handle == handle && (handle != 2 || captures[i].device == context_device))
+        if (captures[i].handle == handle &&
+            (handle != 2 || (captures[i].device == context_device && pthread_equal(captures[i].thread, pthread_self()))))
             return i;
     return -1;
 }
@@ -375,6 +410,7 @@ API cudaError_t cudaEventDestroy(cudaEvent_t event)
     else {
         event_device[id] = 0;
         events_destroyed++;
+        forget_external_waits(id);
     }
     pthread_mutex_unlock(&lock);
     return code;
@@ -399,8 +435,18 @@ API cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
     int capture = code == 0 ? capture_index(stream) : -1;
     if (capture >= 0 && captures[capture].invalidated)
         code = last_error = 901;
-    if (code == 0)
+    if (code == 0) {
         event_capture[id] = capture >= 0 ? captures[capture].id : 0;
+        stream_identity here = {(uintptr_t)stream, context_device, pthread_self()};
+        event_stream[id] = here;
+        for (int i = 0; i < external_wait_count; i++) {
+            if (external_waits[i].event == id && !same_stream(external_waits[i].source, here)) {
+                note("VIOLATION: ev%d, which capture %llu waits on externally, recorded on another stream", id,
+                     external_waits[i].capture);
+                violations++;
+            }
+        }
+    }
     pthread_mutex_unlock(&lock);
     return code;
 }
@@ -422,7 +468,15 @@ API cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsi
     if (capture >= 0 && captures[capture].invalidated) {
         code = last_error = 901;
     }
-    else if (capture >= 0 && recorded_in != captures[capture].id && !(recorded_in == 0 && (flags & 1))) {
+    else if (capture >= 0 && recorded_in == 0 && (flags & 1)) {
+        if (external_wait_count < MAX_EXTERNAL_WAITS) {
+            external_waits[external_wait_count].event = id;
+            external_waits[external_wait_count].capture = captures[capture].id;
+            external_waits[external_wait_count].source = event_stream[id];
+            external_wait_count++;
+        }
+    }
+    else if (capture >= 0 && recorded_in != captures[capture].id) {
         /* Outside work joins a capture only through an external wait (cudaEventWaitExternal). */
         code = last_error = recorded_in == 0 ? 905 : (flags & 1) ? 907 : 902;
         invalidate(capture, recorded_in == 0 ? "wait on an event recorded outside the capture"
@@ -880,7 +934,7 @@ API void double_reset(void)
     runtime_holds = 1;
     memset(primary_retains, 0, sizeof(primary_retains));
     device_count = 4;
-    capture_count = violations = 0;
+    capture_count = violations = external_wait_count = 0;
     memset(event_capture, 0, sizeof(event_capture));
     thread_capture_mode = MODE_GLOBAL;
     log_length = 0;
@@ -955,6 +1009,7 @@ static void reset_device(int device)
         if (event_device[id] == device + 1) {
             event_device[id] = 0;
             events_destroyed++;
+            forget_external_waits(id);
         }
     }
 }

@@ -81,9 +81,10 @@ def settings_and_runtime() -> str:
     try:
         info = cuda_runtime_info()
         path: str = info["path"]
+        source: str = info["source"]
         version: int = info["version"]
         count: int = info["device_count"]
-        print(path, version, count)
+        print(path, source, info["file"], version, count)
     except CudaError as error:
         call: str = error.call
         code: int = error.code

@@ -1,0 +1,51 @@
+"""The README's hardening scripts say in one line what a machine lacks and how to get it, and the libFuzzer
+target still compiles against the core it is built with (it is compiled only by tests/fuzz/run.sh)."""
+import os
+import shutil
+import subprocess
+import sysconfig
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FUZZ_SCRIPT = os.path.join("tests", "fuzz", "run.sh")
+SANITIZED_SCRIPT = os.path.join("tests", "run_sanitized.sh")
+
+pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(ROOT, FUZZ_SCRIPT)),
+                                reason="needs the source tree's scripts (these tests were copied out of it)")
+
+
+def run_without(tmp_path, script, *arguments):
+    """Runs script with a PATH that holds only dirname (which the scripts use to find the repository): no
+    compiler, no cmake, no python."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dirname").symlink_to(shutil.which("dirname"))
+    return subprocess.run([shutil.which("bash"), script, *arguments], env={"PATH": str(bin_dir)}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_fuzz_script_names_the_missing_clang_and_its_packages(tmp_path):
+    result = run_without(tmp_path, FUZZ_SCRIPT, "10")
+    assert result.returncode != 0 and result.stdout == ""
+    debian = "clang-14 libclang-rt-14-dev"
+    assert result.stderr == f"{FUZZ_SCRIPT}: needs clang with libFuzzer (Debian: apt-get install {debian})\n"
+    with open(os.path.join(ROOT, "README.md")) as readme:
+        assert f"Debian: `{debian}`" in readme.read()  # the packages the README names
+
+
+def test_the_sanitized_script_names_the_missing_gcc(tmp_path):
+    result = run_without(tmp_path, SANITIZED_SCRIPT)
+    assert result.returncode != 0 and result.stdout == ""
+    assert result.stderr == f"{SANITIZED_SCRIPT}: needs gcc with its sanitizer runtimes (Debian: apt-get install gcc)\n"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)")
+def test_the_libfuzzer_target_compiles_against_the_current_core():
+    tvm_ffi_libinfo = pytest.importorskip("tvm_ffi.libinfo", reason="needs apache-tvm-ffi for dlpack.h")
+    command = ["cc", "-fsyntax-only", "-Wall", "-Werror=implicit-function-declaration",
+               "-DCDL_CUDART_HEADER_MAJOR=13", "-I", "csrc", "-I", "include",
+               "-isystem", tvm_ffi_libinfo.find_dlpack_include_path(), "-I", sysconfig.get_paths()["include"],
+               os.path.join("tests", "fuzz", "fuzz_interface.c")]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
