@@ -235,8 +235,6 @@ def test_arbitrary_dlpack_tensors(ndim, code, bits, lanes, device, null_strides,
 
 # ---- the C API's three doors, called as a C extension calls them (support/doors.py) ----------------------
 
-KNOWN_DEFECT_5 = pytest.mark.xfail(strict=True, reason="issue 27 defect 5: fixed on main by the lead")
-KNOWN_DEFECT_6 = pytest.mark.xfail(strict=True, reason="issue 27 defect 6: fixed on main by the lead")
 valid_streams = st.one_of(st.sampled_from([-1, 1, 2]), st.integers(3, 2**63 - 1))
 invalid_streams = st.one_of(st.sampled_from([0, -2, -5, -(2**63)]), st.integers(-(2**63), -2))
 REFUSALS = (TypeError, ValueError, BufferError)
@@ -305,7 +303,7 @@ def test_c_api_cai_dicts_through_the_runtime_double(cudart, iface, producer_stre
     assert cudart.current_device == 0
 
 
-@pytest.mark.parametrize("streams", ["invalid", pytest.param("invalid, view", marks=KNOWN_DEFECT_6)])
+@pytest.mark.parametrize("streams", ["invalid", "invalid, view"])
 @FUZZ
 @given(data=st.data())
 def test_c_api_refuses_invalid_streams(streams, data):
@@ -359,7 +357,7 @@ def test_view_from_managed_tensor_answers_as_dlpack2cai(ndim, code, bits, lanes,
     assert by_door == by_capsule
 
 
-@pytest.mark.parametrize("kind", ["views", "shims", pytest.param("bare dicts", marks=KNOWN_DEFECT_5)])
+@pytest.mark.parametrize("kind", ["views", "shims", "bare dicts"])
 @FUZZ
 @given(iface=ready_interfaces(), stream=valid_streams)
 def test_c_api_owners(cudart, kind, iface, stream):
@@ -383,7 +381,6 @@ def test_c_api_owners(cudart, kind, iface, stream):
 
 # ---- capsules of every name ----------------------------------------------------------------------------
 
-KNOWN_DEFECT_4 = pytest.mark.xfail(strict=True, reason="issue 27 defect 4: fixed on main by the lead")
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
@@ -395,7 +392,7 @@ capsule_names = st.one_of(st.sampled_from([b"dltensor", b"dltensor_versioned", b
                           st.binary(min_size=1, max_size=24).filter(lambda name: b"\0" not in name))
 
 
-@pytest.mark.parametrize("names", ["named", pytest.param("nameless", marks=KNOWN_DEFECT_4)])
+@pytest.mark.parametrize("names", ["named", "nameless"])
 @FUZZ
 @given(data=st.data())
 def test_capsules_of_any_name(names, data):
