@@ -164,20 +164,16 @@ def empty(draw):
 
 @pytest.mark.parametrize("part", [
     "rest",
-    pytest.param("empty", marks=pytest.mark.xfail(
-        strict=True, reason="issue 27 (found by this fuzzer): an empty prototype is judged by the product of its "
-                            "extents, not by whether its strides fit")),
+    "empty",
     "wrap",
     "sizeless",
-    pytest.param("host-oom", marks=pytest.mark.xfail(
-        strict=True, reason="issue 27 (found by this fuzzer): a host allocation that fails is named RuntimeError, "
-                            "not MemoryError")),
+    "host-oom",
 ])
 @FUZZ
 @given(data=st.data())
 def test_allocator_with_any_prototype(cudart, part, data):
     """Every part of the prototype space: the edges where sizes wrap or vanish, and the parts that fail today
-    (marked until their fix), are drawn on their own; 'rest' draws any prototype outside them."""
+    (found by this fuzzer, and fixed), are drawn on their own; 'rest' draws any prototype outside them."""
     if part == "rest":
         prototype = normalize(data.draw(prototypes), data.draw(st.sampled_from([-1, -(2**31), 65, 2**31 - 1, 0])))
         where = region(*prototype)
