@@ -1,8 +1,13 @@
 """The C-speed doors, through real consumers: a small C extension built on cai_dlpack's C API, and
 apache-tvm-ffi taking the DLPack C exchange API (__dlpack_c_exchange_api__) fast path."""
+import array
 import ctypes
 import gc
+import os
+import re
+import subprocess
 import sys
+import sysconfig
 import weakref
 
 import numpy as np
@@ -10,12 +15,14 @@ import pytest
 import torch
 
 import cai_dlpack
-from cai_dlpack import DLPackShim, DLPackView, dlpack2cai
+from cai_dlpack import DLPackShim, DLPackView, cai2dlpack, dlpack2cai
 from support import c_example
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE
 
 tvm_ffi = pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi (a test extra) is not installed")
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 
 DTYPES = ["?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"]
 CODES = {"b": 6, "i": 0, "u": 1, "f": 2, "c": 5}
@@ -346,3 +353,102 @@ def test_fill_tensor_reads_the_lent_tensor_before_running_python(example):
     assert tuple(tensor.shape) == (7,)  # the check did run, and changed the tensor
     assert (fields["data"], fields["shape"], fields["strides"]) == expected
     del keep
+
+
+# ---- producers the C doors refuse, borrowed buffers, the header ---------------------------------------
+
+class AbsurdDevice:
+    """A producer whose __dlpack_device__ names a device type that fits no C integer."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __dlpack__(self, stream=None, max_version=None):
+        raise AssertionError("never reached: the device is refused first")
+
+
+@pytest.mark.parametrize("device", [(2**70, 0), (-(2**70), 0), (-1, 0), ("cpu", 0), (1,), None])
+def test_producer_device_that_is_not_a_device_is_refused_clearly(example, device):
+    with pytest.raises(ValueError, match=r"__dlpack_device__\(\) returned .*not a \(device_type, device_id\) pair"):
+        example.managed(AbsurdDevice(device), 1)
+
+
+class FreshBuffer:
+    """An array interface whose 'data' is a buffer object made anew on each access, which NumPy's protocol
+    allows: nothing but the caller holds it."""
+
+    def __init__(self):
+        self.made = []
+
+    @property
+    def __array_interface__(self):
+        buffer = array.array("d", [1.0, 2.0, 3.0])
+        self.made.append(weakref.ref(buffer))
+        return {"shape": (3,), "typestr": "<f8", "data": buffer, "version": 3}
+
+
+class HeldBuffer(FreshBuffer):
+    """The same, but the object keeps the buffer it names: the memory lives as long as the object."""
+
+    def __init__(self):
+        super().__init__()
+        self.buffer = array.array("d", [1.0, 2.0, 3.0])
+
+    @property
+    def __array_interface__(self):
+        self.made.append(weakref.ref(self.buffer))
+        return {"shape": (3,), "typestr": "<f8", "data": self.buffer, "version": 3}
+
+
+def test_borrowed_tensor_of_a_buffer_that_dies_with_the_call_is_refused(example):
+    obj = FreshBuffer()
+    with pytest.raises(BufferError, match="array that FreshBuffer's __array_interface__ 'data' names is held by nothing"):
+        example.fill(obj, -1)
+    with pytest.raises(BufferError, match="held by nothing but this call"):
+        example.exchange_dltensor(DLPackShim(obj))
+    gc.collect()
+    assert [ref() for ref in obj.made] == [None, None]  # refused, and nothing kept
+
+
+def test_borrowed_tensor_of_a_buffer_the_object_holds_is_lent(example):
+    obj = HeldBuffer()
+    fields = example.fill(obj, -1)
+    assert fields["data"] == obj.buffer.buffer_info()[0] and fields["shape"] == (3,)
+    assert obj.made[-1]() is obj.buffer
+
+
+def test_owning_tensor_of_a_fresh_buffer_keeps_it_alive(example):
+    obj = FreshBuffer()
+    capsule = cai2dlpack(obj, max_version=(1, 0))
+    gc.collect()
+    assert obj.made[-1]() is not None  # the capsule holds the buffer
+    assert example.managed(obj, -1)["shape"] == (3,)
+    del capsule
+    gc.collect()
+    assert [ref() for ref in obj.made] == [None, None]
+
+
+def test_header_usage_example_compiles():
+    """The usage lines at the top of the public header, compiled as a caller would write them."""
+    import tvm_ffi.libinfo
+
+    with open(os.path.join(ROOT, "include", "cai_dlpack", "cai_dlpack.h")) as file:
+        header = file.read()
+    usage = re.search(r"/\* cai_dlpack C API.*?\n \*\n(.*?)\n \*\n", header, re.S).group(1)
+    lines = [line[4:].split("//")[0] for line in usage.splitlines()]
+    source = ("#include <cai_dlpack/cai_dlpack.h>\nstatic void launch_kernel(void *data, ...) { (void)data; }\n"
+              "PyObject *use(PyObject *obj, int64_t stream) {\n" + "\n".join(lines).replace("...", "&t") +
+              "\n    Py_RETURN_NONE;\n}\n")
+    directory = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"cai_dlpack_usage_{os.getpid()}")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "usage.c")
+    with open(path, "w") as file:
+        file.write(source)
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    result = subprocess.run([compiler, "-c", "-Wall", "-Werror", "-I", sysconfig.get_paths()["include"],
+                             "-I", os.path.join(ROOT, "include"), "-I", tvm_ffi.libinfo.find_dlpack_include_path(),
+                             path, "-o", os.path.join(directory, "usage.o")], capture_output=True, text=True)
+    assert result.returncode == 0, source + result.stderr

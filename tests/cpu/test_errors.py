@@ -1,8 +1,10 @@
 """Every refusal: the exception type, and a message that names the key and the value."""
+import re
+
 import numpy as np
 import pytest
 
-from cai_dlpack import DLPackShim, DLPackView, cai2dlpack, dlpack2cai
+from cai_dlpack import DLPackShim, DLPackView, UnsupportedArrayError, cai2dlpack, dlpack2cai
 from support.cuda_double import DEVICE
 from support.dlpack_ctypes import MadeTensor, kDLBfloat, kDLCPU, kDLCUDA, kDLFloat, kDLOpaqueHandle, kDLROCM
 
@@ -421,3 +423,57 @@ def test_array_interface_data_without_buffer():
     for data, name in ((None, "Holder"), (5.0, "float"), ([1], "list")):
         with pytest.raises(TypeError, match=f"__array_interface__ 'data' must be .*; {name} has no buffer"):
             cai2dlpack(Holder(data))
+
+
+# ---- what DLPack cannot describe, malformed interfaces, the supported types ------------------------------
+
+UNDESCRIBABLE = [
+    (np.zeros(3, "M8[ns]"), "'typestr' '<M8[ns]' has no DLPack equivalent"),
+    (np.zeros(3, ">f4"), "'typestr' '>f4' has non-native byte order"),
+    (np.zeros(3, [("a", "<f4"), ("b", "u1")])["a"], "'strides'[0] is 5 bytes, not a multiple of the itemsize 4"),
+]
+
+
+@pytest.mark.parametrize("array_,message", UNDESCRIBABLE, ids=["datetime64", "big-endian", "strides"])
+def test_dlpack_raises_buffer_error_for_what_dlpack_cannot_describe(array_, message):
+    tvm_ffi = pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi (a test extra) is not installed")
+    for call in (lambda: DLPackShim(array_).__dlpack__(), lambda: DLPackShim(array_).__dlpack__(max_version=(1, 0)),
+                 lambda: np.from_dlpack(DLPackShim(array_)), lambda: tvm_ffi.from_dlpack(DLPackShim(array_)),
+                 lambda: cai2dlpack(array_)):
+        with pytest.raises(BufferError, match=re.escape(message)) as info:
+            call()
+        # Still a ValueError, as such data always was for cai2dlpack's callers.
+        assert isinstance(info.value, ValueError) and isinstance(info.value, UnsupportedArrayError)
+
+
+class Holder:
+    def __init__(self, **entries):
+        iface = {"shape": (3,), "typestr": "<f4", "data": (8, False), "version": 3, **entries}
+        self.__array_interface__ = {key: value for key, value in iface.items() if value is not None}
+
+
+@pytest.mark.parametrize("entries,error,message", [
+    (dict(typestr=4), TypeError, "'typestr' must be a str, not int"),
+    (dict(shape=None), ValueError, "lacks the required key 'shape'"),
+    (dict(strides=(4, 4)), ValueError, "'strides' has 2 entries but 'shape' has 1"),
+])
+def test_malformed_interfaces_keep_type_and_value_errors(entries, error, message):
+    with pytest.raises(error, match=re.escape(message)) as info:
+        DLPackShim(Holder(**entries)).__dlpack__()
+    assert not isinstance(info.value, BufferError)
+
+
+def test_supported_types_in_messages_come_from_the_table():
+    with pytest.raises(UnsupportedArrayError) as info:
+        cai2dlpack({"shape": (1,), "typestr": "<f16", "data": (8, False), "version": 3}, owner=object())
+    typestrs, names = re.search(r"supported: (.*); by name \(.*?\): (.*)\)", str(info.value)).groups()
+    # Every listed typestr converts; every listed name converts when named.
+    for kind_size in typestrs.split(", "):
+        typestr = ("|" if kind_size[1:] == "1" else "<") + kind_size
+        iface = {"shape": (1,), "typestr": typestr, "data": (8, False), "version": 3}
+        assert cai2dlpack(Holder(**iface)) is not None
+    for name in names.split(", "):
+        itemsize = 2 if name == "bfloat16" else 1
+        assert cai2dlpack(Holder(typestr=f"|V{itemsize}", shape=(1,)), dtype=name) is not None
+    assert {"b1", "i8", "u2", "f2", "c16"} <= set(typestrs.split(", "))
+    assert {"bfloat16", "float8_e4m3fn", "float4_e2m1fn_x2"} <= set(names.split(", "))

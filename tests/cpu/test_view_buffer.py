@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from cai_dlpack import dlpack2cai
+from cai_dlpack import cai2dlpack, dlpack2cai
 from support.dlpack_ctypes import MadeTensor, kDLCPU, kDLCUDA, kDLFloat
 from test_host_peers import DTYPES, layouts
 
@@ -141,3 +141,13 @@ def test_empty_tensor_with_null_data():
     view = dlpack2cai(made.capsule)
     assert memoryview(view).tobytes() == b""
     assert np.asarray(view).shape == (0, 4)
+
+
+def test_empty_array_whose_byte_strides_overflow_reads_back():
+    """Found by replaying the fuzz corpus: an empty array accepted by cai2dlpack has contiguous element
+    strides that overflow in bytes; the view refused our own tensor until emptiness was checked first."""
+    shape = (0, 61, 66, 463856467968, 44, 81)
+    holder = type("Holder", (), {})()
+    holder.__array_interface__ = {"shape": shape, "typestr": "<i2", "data": (8, False), "version": 3}
+    view = dlpack2cai(cai2dlpack(holder))
+    assert view.shape == shape and view.strides is None and view.__array_interface__["data"] == (0, False)
