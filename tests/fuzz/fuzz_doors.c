@@ -66,6 +66,7 @@ static DLDataType take_dtype(cdl_input *in)
 }
 
 static int set_error_calls;
+static char set_error_kind[32];
 
 static void set_error(void *context, const char *kind, const char *message)
 {
@@ -73,6 +74,7 @@ static void set_error(void *context, const char *kind, const char *message)
         strncmp(message, "cai_dlpack allocator: ", 22) != 0)
         __builtin_trap();
     set_error_calls++;
+    strncpy(set_error_kind, kind, sizeof(set_error_kind) - 1);
 }
 
 /* An exception must be set exactly when a door failed; it is then cleared. */
@@ -101,24 +103,47 @@ static void fuzz_allocator(cdl_input *in)
     int status = exchange->managed_tensor_allocator(&prototype, &out, &set_error_calls, set_error);
     if (PyErr_Occurred())
         __builtin_trap(); /* the allocator runs no Python and leaves none pending */
+    /* What the prototype needs: its bytes (0 when it has no elements) and whether its strides fit in int64. */
+    uint64_t bytes = ((uint64_t)prototype.dtype.bits * prototype.dtype.lanes + 7) / 8, count = 1;
+    int valid = prototype.ndim >= 0 && prototype.ndim <= 64 && (prototype.ndim == 0 || prototype.shape != NULL) &&
+                bytes > 0;
+    int count_overflow = 0, strides_overflow = 0, empty = 0;
+    int64_t stride = 1;
+    for (int i = valid ? prototype.ndim - 1 : -1; i >= 0; i--) {
+        valid &= shape[i] >= 0;
+        empty |= shape[i] == 0;
+        count_overflow |= __builtin_mul_overflow(count, (uint64_t)shape[i], &count);
+        strides_overflow |= i > 0 && __builtin_mul_overflow(stride, shape[i] > 1 ? shape[i] : 1, &stride);
+    }
+    empty &= valid;
+    count_overflow |= __builtin_mul_overflow(bytes, count, &bytes);
     if (status != 0) {
         if (set_error_calls != 1)
             __builtin_trap();
+#ifndef CDL_FUZZ_LENIENT_ALLOCATOR /* -D it to fuzz on past the two checks below while they fail */
+        /* A host tensor that could exist but whose bytes cannot be had is a MemoryError. */
+        if (valid && !strides_overflow && !empty && !count_overflow && prototype.device.device_type == kDLCPU &&
+            strcmp(set_error_kind, "MemoryError") != 0)
+            __builtin_trap();
+        /* An empty tensor whose strides fit has no bytes to allocate: always made (on the host here). */
+        if (empty && !strides_overflow && prototype.device.device_type == kDLCPU)
+            __builtin_trap();
+#endif
         return;
     }
+#ifdef CDL_FUZZ_LENIENT_ALLOCATOR
+    strides_overflow &= !empty;
+#endif
+    if (!valid || strides_overflow || (count_overflow && !empty))
+        __builtin_trap(); /* no tensor has this prototype */
     if (set_error_calls != 0 || out == NULL || out->dl_tensor.ndim != prototype.ndim || out->dl_tensor.data == NULL ||
         memcmp(&out->dl_tensor.dtype, &prototype.dtype, sizeof(DLDataType)) != 0)
         __builtin_trap();
     /* The block holds every byte the shape needs: written end to end (bounded, so a real tensor stays cheap). */
-    uint64_t bytes = ((uint64_t)prototype.dtype.bits * prototype.dtype.lanes + 7) / 8, count = 1;
-    int overflow = 0;
     for (int i = 0; i < prototype.ndim; i++) {
-        if (out->dl_tensor.shape[i] != shape[i] || shape[i] < 0)
+        if (out->dl_tensor.shape[i] != shape[i])
             __builtin_trap();
-        overflow |= __builtin_mul_overflow(count, (uint64_t)shape[i], &count);
     }
-    if (overflow || __builtin_mul_overflow(bytes, count, &bytes))
-        __builtin_trap(); /* no block holds that many bytes */
     if (out->dl_tensor.device.device_type == kDLCPU) {
         if (bytes <= ((uint64_t)1 << 26))
             memset(out->dl_tensor.data, 0xa5, bytes);
@@ -211,7 +236,7 @@ static PyObject *take_holder(cdl_input *in)
     PyObject *strides = flags & 2 ? (flags & 1 ? PyList_New(ndim) : PyTuple_New(ndim)) : Py_NewRef(Py_None);
     for (int i = 0; shape && strides && i < ndim; i++) {
         PyObject *extent = PyLong_FromLongLong(take_int64(in));
-        PyObject *stride = strides != Py_None ? PyLong_FromLongLong(take_int64(in) * 4) : NULL;
+        PyObject *stride = strides != Py_None ? PyLong_FromLongLong((int64_t)((uint64_t)take_int64(in) * 4)) : NULL;
         if (flags & 1) {
             PyList_SET_ITEM(shape, i, extent);
             if (stride)
@@ -223,9 +248,10 @@ static PyObject *take_holder(cdl_input *in)
                 PyTuple_SET_ITEM(strides, i, stride);
         }
     }
+    const char *typestr = typestrs[take_byte(in) % 8]; /* read in this order (the replay's) */
+    char *data = memory + take_byte(in);
     PyObject *iface = Py_BuildValue("{s:N, s:N, s:s, s:(Nb), s:i}", "shape", shape, "strides", strides, "typestr",
-                                    typestrs[take_byte(in) % 8], "data",
-                                    PyLong_FromVoidPtr(memory + take_byte(in)), (flags & 4) != 0, "version", 3);
+                                    typestr, "data", PyLong_FromVoidPtr(data), (flags & 4) != 0, "version", 3);
     PyObject *holder = iface ? PyObject_CallOneArg(holder_type, iface) : NULL;
     Py_XDECREF(iface);
     if (holder == NULL)
