@@ -180,7 +180,6 @@ def test_array_interface_with_data_none_uses_the_objects_buffer():
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
-    (dict(copy=True), BufferError, "copy=True"),
     (dict(copy="yes"), TypeError, "copy must be None or a bool"),
     (dict(dl_device=(2, 0)), BufferError, "dl_device (2, 0) differs from the data's device (1, 0)"),
     (dict(dl_device="cpu"), TypeError, "dl_device must be None or a (device_type, device_id) tuple"),
