@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from numpy.lib.array_utils import byte_bounds
 
-from cai_dlpack import CudaError, DLPackShim, dlpack2cai
+from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, MANAGED, PINNED_HOST
 from support.dlpack_ctypes import DLManagedTensorVersioned, _api, read_capsule
@@ -117,6 +117,28 @@ def test_view_copy_true():
     np.testing.assert_array_equal(copied, source)
     assert not np.shares_memory(copied, source)
     assert np.shares_memory(np.from_dlpack(view), allocation_of(source))
+
+
+def test_cai2dlpack_copies_as_dunder_dlpack(cudart):
+    source = _base()[::-1]
+    capsule = cai2dlpack(source, copy=True)
+    fields = read_capsule(capsule)
+    assert fields["strides"] == contiguous_strides(source.shape)
+    np.testing.assert_array_equal(host_values(fields, source.dtype), source)
+    owner = np.ascontiguousarray(source)
+    watch = weakref.ref(owner)
+    register(cudart, owner, DEVICE)
+    capsule = cai2dlpack(CaiArray(owner).__cuda_array_interface__, owner=owner, copy=True)
+    assert read_capsule(capsule)["device"] == (kDLCUDA, 0)
+    del owner
+    assert watch() is None  # the copy keeps no owner
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    device, obj = device_source(cudart, "negative")
+    capsule = cai2dlpack(obj, dl_device=(kDLCPU, 0))
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), np.float32), device)
+    with pytest.raises(BufferError, match="copy=False forbids a copy"):
+        cai2dlpack(obj, dl_device=(kDLCPU, 0), copy=False)
+    assert read_capsule(cai2dlpack(obj))["data"] == device.ctypes.data
 
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, np.float16,
