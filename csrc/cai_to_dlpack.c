@@ -606,9 +606,10 @@ static int cdl_parse_max_version(PyObject *max_version, int *versioned)
     return 0;
 }
 
-/* dl_device: None or a (device_type, device_id) pair that must name the data's own device. */
-static int cdl_check_dl_device(PyObject *dl_device, DLDevice device)
+/* dl_device: None (the data's own device) or a (device_type, device_id) pair, into *target. */
+static int cdl_parse_dl_device(PyObject *dl_device, DLDevice device, DLDevice *target)
 {
+    *target = device;
     if (dl_device == NULL || dl_device == Py_None)
         return 0;
     int type, id;
@@ -618,12 +619,8 @@ static int cdl_check_dl_device(PyObject *dl_device, DLDevice device)
                      dl_device);
         return -1;
     }
-    if (type != (int)device.device_type || id != (int)device.device_id) {
-        PyErr_Format(PyExc_BufferError,
-                     "dl_device (%d, %d) differs from the data's device (%d, %d); cai_dlpack never copies",
-                     type, id, (int)device.device_type, (int)device.device_id);
-        return -1;
-    }
+    target->device_type = (DLDeviceType)type;
+    target->device_id = id;
     return 0;
 }
 
@@ -632,16 +629,35 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
 {
     int64_t consumer;
     int versioned;
+    DLDevice target;
     if (cdl_parse_stream(stream, "stream", 1, &consumer) < 0 || cdl_parse_max_version(max_version, &versioned) < 0 ||
-        cdl_check_dl_device(dl_device, arr->device) < 0)
+        cdl_parse_dl_device(dl_device, arr->device, &target) < 0)
         return NULL;
-    if (copy != NULL && copy != Py_None && copy != Py_False) {
-        if (copy == Py_True)
-            PyErr_SetString(PyExc_BufferError, "copy=True was asked, but cai_dlpack only shares memory (zero-copy)");
-        else
-            PyErr_Format(PyExc_TypeError, "copy must be None or a bool, not %.200s", Py_TYPE(copy)->tp_name);
+    if (copy != NULL && copy != Py_None && !PyBool_Check(copy)) {
+        PyErr_Format(PyExc_TypeError, "copy must be None or a bool, not %.200s", Py_TYPE(copy)->tp_name);
         return NULL;
     }
+    /* The array API's rules (the README's table): copy=True copies, a dl_device other than the data's asks for
+     * a copy there unless copy=False, which never copies. Copies are made to the host or on the data's own
+     * device, nowhere else. */
+    int other_device = target.device_type != arr->device.device_type || target.device_id != arr->device.device_id;
+    if (other_device && copy == Py_False) {
+        PyErr_Format(PyExc_BufferError,
+                     "dl_device (%d, %d) differs from the data's device (%d, %d) and copy=False forbids a copy",
+                     (int)target.device_type, (int)target.device_id, (int)arr->device.device_type,
+                     (int)arr->device.device_id);
+        return NULL;
+    }
+    if (other_device && !(target.device_type == kDLCPU && target.device_id == 0)) {
+        PyErr_Format(PyExc_BufferError,
+                     "dl_device (%d, %d) differs from the data's device (%d, %d); cai_dlpack copies only to the "
+                     "host, dl_device=(1, 0), or on the data's own device (copy=True)",
+                     (int)target.device_type, (int)target.device_id, (int)arr->device.device_type,
+                     (int)arr->device.device_id);
+        return NULL;
+    }
+    if (other_device || copy == Py_True)
+        return cdl_export_copy(arr, target, consumer, versioned);
     if (arr->read_only && !versioned) {
         PyErr_SetString(PyExc_BufferError,
                         "the array is read-only, which a legacy 'dltensor' capsule cannot say; ask for "

@@ -43,6 +43,9 @@ static const char *cdl_resolve_symbols(void *handle, cdl_cudart *table)
     CDL_RESOLVE(malloc_host, "cudaMallocHost");
     CDL_RESOLVE(free_host, "cudaFreeHost");
     CDL_RESOLVE(malloc_managed, "cudaMallocManaged");
+    CDL_RESOLVE(memcpy_async, "cudaMemcpyAsync");
+    CDL_RESOLVE(memcpy_2d_async, "cudaMemcpy2DAsync");
+    CDL_RESOLVE(stream_synchronize, "cudaStreamSynchronize");
 #undef CDL_RESOLVE
     /* Optional: without it the allocator's calls are made in the thread's own capture mode. */
     *(void **)(&table->thread_exchange_stream_capture_mode) = dlsym(handle, "cudaThreadExchangeStreamCaptureMode");

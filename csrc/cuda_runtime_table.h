@@ -32,6 +32,11 @@ typedef struct cdl_cudart {
     cudaError_t (*malloc_host)(void **, size_t);
     cudaError_t (*free_host)(void *);
     cudaError_t (*malloc_managed)(void **, size_t, unsigned int);
+    /* For the copies a consumer asks for (copy.c): the memcpy family, no kernel of our own. */
+    cudaError_t (*memcpy_async)(void *, const void *, size_t, enum cudaMemcpyKind, cudaStream_t);
+    cudaError_t (*memcpy_2d_async)(void *, size_t, const void *, size_t, size_t, size_t, enum cudaMemcpyKind,
+                                   cudaStream_t);
+    cudaError_t (*stream_synchronize)(cudaStream_t);
     /* Swaps the calling thread's capture-interaction mode (CUDA 10.1); NULL where the runtime lacks it. */
     cudaError_t (*thread_exchange_stream_capture_mode)(enum cudaStreamCaptureMode *);
     /* The driver's, handed out by cudaGetDriverEntryPoint[ByVersion] (no libcuda of our own); NULL

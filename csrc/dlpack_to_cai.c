@@ -508,7 +508,7 @@ static PyGetSetDef cdl_view_getset[] = {
 static PyMethodDef cdl_view_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))cdl_view_dlpack, METH_FASTCALL | METH_KEYWORDS,
      "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
-     "Hands the tensor on (zero-copy)."},
+     "Hands the tensor on (zero-copy; copy=True or dl_device=(1, 0) copies, as DLPackShim's)."},
     {"__dlpack_device__", (PyCFunction)cdl_view_dlpack_device, METH_NOARGS,
      "__dlpack_device__($self, /)\n--\n\n(DLDeviceType, device_id)"},
     {NULL, NULL, 0, NULL},

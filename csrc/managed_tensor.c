@@ -46,12 +46,18 @@ typedef struct {
     } managed;
     PyObject *owner;
     PyObject *keepalive;
+    /* The data itself when the export owns it (a copy): released with the block, NULL for shared memory. */
+    cdl_data_release release_data;
+    void *owned_data;
+    DLDevice owned_device;
     int64_t dims[];
 } cdl_export_block;
 
 /* The block's references and memory, under the GIL (Python's allocator made it: small, and fast). */
 static void cdl_free_block(cdl_export_block *block)
 {
+    if (block->release_data != NULL)
+        block->release_data(block->owned_data, block->owned_device);
     Py_XDECREF(block->owner);
     Py_XDECREF(block->keepalive);
     PyMem_Free(block);
@@ -71,7 +77,11 @@ static void cdl_release_block(cdl_export_block *block)
         }
     }
     /* Otherwise the interpreter is gone or going: its objects and its allocator must not be touched, so
-     * the block and its references are left behind with it (the process is ending). */
+     * the block and its references are left behind with it (the process is ending). Owned data is freed
+     * all the same: its release touches no Python state. */
+    else if (block->release_data != NULL) {
+        block->release_data(block->owned_data, block->owned_device);
+    }
 }
 
 static void cdl_delete_legacy(DLManagedTensor *self) { cdl_release_block(self->manager_ctx); }
@@ -118,6 +128,7 @@ cdl_managed cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObje
     }
     block->owner = Py_XNewRef(owner);
     block->keepalive = Py_XNewRef(keepalive);
+    block->release_data = NULL;
     return managed;
 }
 
@@ -155,6 +166,25 @@ PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject
     cdl_managed managed = cdl_managed_from_array(arr, owner, keepalive, versioned);
     if (managed.pointer == NULL)
         return NULL;
+    PyObject *capsule = PyCapsule_New(managed.pointer, versioned ? cdl_capsule_name_versioned : cdl_capsule_name_legacy,
+                                      cdl_capsule_destructor);
+    if (capsule == NULL)
+        cdl_managed_delete(&managed);
+    return capsule;
+}
+
+PyObject *cdl_capsule_owning_data(const cdl_array *arr, cdl_data_release release_data, int versioned)
+{
+    cdl_managed managed = cdl_managed_from_array(arr, NULL, NULL, versioned);
+    if (managed.pointer == NULL) {
+        release_data(arr->data, arr->device);
+        return NULL;
+    }
+    cdl_export_block *block = managed.versioned ? ((DLManagedTensorVersioned *)managed.pointer)->manager_ctx
+                                                : ((DLManagedTensor *)managed.pointer)->manager_ctx;
+    block->release_data = release_data;
+    block->owned_data = arr->data;
+    block->owned_device = arr->device;
     PyObject *capsule = PyCapsule_New(managed.pointer, versioned ? cdl_capsule_name_versioned : cdl_capsule_name_legacy,
                                       cdl_capsule_destructor);
     if (capsule == NULL)

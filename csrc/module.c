@@ -7,9 +7,10 @@
 static PyObject *cdl_cai2dlpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     (void)module;
-    PyObject *names[] = {cdl_name.stream, cdl_name.max_version, cdl_name.owner, cdl_name.dtype};
-    PyObject *values[] = {NULL, NULL, NULL, NULL};
-    if (cdl_parse_keywords("cai2dlpack", args, nargs, kwnames, 1, names, values, 4) < 0)
+    PyObject *names[] = {cdl_name.stream, cdl_name.max_version, cdl_name.owner, cdl_name.dtype, cdl_name.dl_device,
+                         cdl_name.copy};
+    PyObject *values[] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    if (cdl_parse_keywords("cai2dlpack", args, nargs, kwnames, 1, names, values, 6) < 0)
         return NULL;
     DLDataType requested;
     if (values[3] != NULL && values[3] != Py_None && cdl_dtype_from_request(values[3], &requested) < 0)
@@ -28,7 +29,7 @@ static PyObject *cdl_cai2dlpack(PyObject *module, PyObject *const *args, Py_ssiz
     PyObject *keepalive;
     if (cdl_array_from_object(obj, values[3] != NULL && values[3] != Py_None ? &requested : NULL, &arr, &keepalive) < 0)
         return NULL;
-    PyObject *capsule = cdl_export(&arr, owner ? owner : obj, keepalive, values[0], values[1], NULL, NULL);
+    PyObject *capsule = cdl_export(&arr, owner ? owner : obj, keepalive, values[0], values[1], values[4], values[5]);
     Py_XDECREF(keepalive);
     return capsule;
 }
@@ -45,10 +46,12 @@ static PyObject *cdl_dlpack2cai(PyObject *module, PyObject *const *args, Py_ssiz
 
 static PyMethodDef cdl_module_methods[] = {
     {"cai2dlpack", (PyCFunction)(void (*)(void))cdl_cai2dlpack, METH_FASTCALL | METH_KEYWORDS,
-     "cai2dlpack($module, obj, /, *, stream=None, max_version=None, owner=None, dtype=None)\n--\n\n"
+     "cai2dlpack($module, obj, /, *, stream=None, max_version=None, owner=None, dtype=None, dl_device=None, "
+     "copy=None)\n--\n\n"
      "A DLPack capsule sharing the memory of obj: an object with __cuda_array_interface__ or "
      "__array_interface__, or a CAI dict with owner= the object that keeps its memory alive. dtype= names "
-     "the element type a typestr cannot (\"bfloat16\", a NumPy/ml_dtypes dtype, a torch.dtype)."},
+     "the element type a typestr cannot (\"bfloat16\", a NumPy/ml_dtypes dtype, a torch.dtype). copy= and "
+     "dl_device= copy as __dlpack__'s do."},
     {"dlpack2cai", (PyCFunction)(void (*)(void))cdl_dlpack2cai, METH_FASTCALL | METH_KEYWORDS,
      "dlpack2cai($module, x, /, *, stream=None)\n--\n\n"
      "Consumes a DLPack capsule (or calls x.__dlpack__(stream=stream)) into a view that owns the tensor "

@@ -191,7 +191,8 @@ static PyMethodDef cdl_shim_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))cdl_shim_dlpack, METH_FASTCALL | METH_KEYWORDS,
      "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "A DLPack capsule sharing the wrapped object's memory, described as the __dlpack_device__ call just before\n"
-     "it on this thread read it (the first half of a conversion), else as its interface reads now."},
+     "it on this thread read it (the first half of a conversion), else as its interface reads now. copy=True,\n"
+     "or dl_device=(1, 0) for CUDA memory, gives a C-contiguous copy instead (the README's table)."},
     {"__dlpack_device__", (PyCFunction)cdl_shim_dlpack_device, METH_NOARGS,
      "__dlpack_device__($self, /)\n--\n\n(DLDeviceType, device_id) of the wrapped object's data, without building a capsule."},
     {NULL, NULL, 0, NULL},

@@ -29,6 +29,10 @@ extern "C" {
 /* The most dimensions cai_dlpack accepts. */
 #define CAI_DLPACK_MAX_NDIM 64
 
+/* Copies: neither this table nor the DLPack C exchange API that DLPackShim and DLPackView publish makes one.
+ * Both only share memory; the exchange API's managed_tensor_allocator makes an empty tensor and leaves the
+ * filling to its caller. A consumer that wants a private copy asks __dlpack__(copy=True), or
+ * __dlpack__(dl_device=(kDLCPU, 0)) for a host copy, from Python (the README's table). */
 typedef struct cai_dlpack_api {
     /* CAI_DLPACK_API_MAJOR and _MINOR of the loaded module. */
     uint32_t major;

@@ -219,7 +219,6 @@ def test_strides_of_dimensions_of_extent_one_may_be_any_bytes():
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
-    (dict(copy=True), BufferError, "copy=True"),
     (dict(copy="yes"), TypeError, "copy must be None or a bool"),
     (dict(dl_device=(2, 0)), BufferError, "dl_device (2, 0) differs from the data's device (1, 0)"),
     (dict(dl_device="cpu"), TypeError, "dl_device must be None or a (device_type, device_id) tuple"),

@@ -43,6 +43,7 @@ def capsules(host: HostArray, stream: Stream) -> list[object]:
         cai2dlpack(host, stream=1, max_version=(1, 0)),
         cai2dlpack(host.__array_interface__, owner=host, stream=stream, max_version=None),
         cai2dlpack(host, dtype="bfloat16"),
+        cai2dlpack(host, dl_device=(1, 0), copy=True),
         cai2dlpack(host, dtype=numpy.float32),
     ]
 

@@ -1,0 +1,340 @@
+/* The copies a consumer asks __dlpack__ for (copy=True, or dl_device=(kDLCPU, 0) for CUDA memory): a new
+ * C-contiguous allocation of the same type and shape, filled from the source, in a capsule that owns it. No
+ * kernel of our own: host memory is copied by memcpy loops, CUDA memory by the runtime's memcpy family. */
+#include "cdl_internal.h"
+#include "cuda_runtime_table.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* The most runtime copy calls one device-to-device copy may take: more is refused (a gather kernel's job). */
+#define CDL_COPY_MAX_CALLS 65536
+/* Host copies at least this large run with the GIL released. */
+#define CDL_COPY_RELEASE_GIL_BYTES (1 << 16)
+
+/* A source layout reduced for copying, in C order: dimensions of extent 1 dropped, neighbours that step as
+ * one dimension merged; strides in bytes. */
+typedef struct {
+    int32_t ndim;
+    int64_t shape[CDL_MAX_NDIM];
+    int64_t strides[CDL_MAX_NDIM];
+} cdl_copy_layout;
+
+static void cdl_reduce_layout(const cdl_array *arr, int64_t itemsize, cdl_copy_layout *out)
+{
+    out->ndim = 0;
+    for (int32_t i = 0; i < arr->ndim; i++) {
+        if (arr->shape[i] == 1)
+            continue;
+        /* (shape - 1) * stride * itemsize fits (the reader measured the extent), so stride * itemsize does. */
+        int64_t stride = arr->strides[i] * itemsize, span;
+        int32_t last = out->ndim - 1;
+        if (last >= 0 && !__builtin_mul_overflow(stride, arr->shape[i], &span) && out->strides[last] == span) {
+            out->shape[last] *= arr->shape[i];
+            out->strides[last] = stride;
+            continue;
+        }
+        out->shape[out->ndim] = arr->shape[i];
+        out->strides[out->ndim] = stride;
+        out->ndim++;
+    }
+}
+
+/* How a layout is copied by the runtime: one call per index of the outer dimensions, each a 2D copy of height
+ * rows of width bytes, pitch bytes apart in the source (height 1: a plain copy of width bytes). The innermost
+ * contiguous run is the width; the next dimension is the rows when its stride is a pitch the runtime takes
+ * (positive, at least the width). Negative and zero strides are outer dimensions. */
+typedef struct {
+    int32_t outer;        /* the first `outer` dimensions of the layout are looped over */
+    int64_t width, height, pitch;
+    int64_t calls;        /* saturates above CDL_COPY_MAX_CALLS */
+} cdl_copy_plan;
+
+static void cdl_plan_copy(const cdl_copy_layout *layout, int64_t itemsize, cdl_copy_plan *plan)
+{
+    int32_t n = layout->ndim;
+    plan->width = itemsize;
+    if (n > 0 && layout->strides[n - 1] == itemsize)
+        plan->width = layout->shape[--n] * itemsize;
+    plan->height = 1;
+    plan->pitch = plan->width;
+    if (n > 0 && layout->strides[n - 1] >= plan->width) {
+        n--;
+        plan->height = layout->shape[n];
+        plan->pitch = layout->strides[n];
+    }
+    plan->outer = n;
+    plan->calls = 1;
+    for (int32_t i = 0; i < n; i++)
+        if (__builtin_mul_overflow(plan->calls, layout->shape[i], &plan->calls) || plan->calls > CDL_COPY_MAX_CALLS)
+            plan->calls = CDL_COPY_MAX_CALLS + 1;
+}
+
+/* Steps index (the first ndim dimensions of layout, C order) to the next element; moves *offset by the byte
+ * strides. Returns 0 once every index has been visited. */
+static int cdl_next_index(const cdl_copy_layout *layout, int32_t ndim, int64_t *index, int64_t *offset)
+{
+    for (int32_t d = ndim - 1; d >= 0; d--) {
+        if (++index[d] < layout->shape[d]) {
+            *offset += layout->strides[d];
+            return 1;
+        }
+        *offset -= (layout->shape[d] - 1) * layout->strides[d];
+        index[d] = 0;
+    }
+    return 0;
+}
+
+/* Host to host: every element of the layout at source, written in C order to destination. No Python. */
+static void cdl_gather_host(char *destination, const char *source, const cdl_copy_layout *layout, int64_t itemsize)
+{
+    int32_t n = layout->ndim;
+    int64_t width = itemsize;
+    if (n > 0 && layout->strides[n - 1] == itemsize)
+        width = layout->shape[--n] * itemsize;
+    int64_t index[CDL_MAX_NDIM] = {0}, offset = 0;
+    do {
+        memcpy(destination, source + offset, (size_t)width);
+        destination += width;
+    } while (cdl_next_index(layout, n, index, &offset));
+}
+
+/* The plan's runtime calls on stream. Returns cudaSuccess, or the failed call's code with *failed its name. */
+static cudaError_t cdl_issue_copies(const cdl_cudart *rt, char *destination, const char *source,
+                                    const cdl_copy_layout *layout, const cdl_copy_plan *plan, cudaStream_t stream,
+                                    const char **failed)
+{
+    int64_t index[CDL_MAX_NDIM] = {0}, offset = 0;
+    cudaError_t code;
+    do {
+        if (plan->height == 1) {
+            *failed = "cudaMemcpyAsync";
+            code = rt->memcpy_async(destination, source + offset, (size_t)plan->width, cudaMemcpyDefault, stream);
+        }
+        else {
+            *failed = "cudaMemcpy2DAsync";
+            code = rt->memcpy_2d_async(destination, (size_t)plan->width, source + offset, (size_t)plan->pitch,
+                                       (size_t)plan->width, (size_t)plan->height, cudaMemcpyDefault, stream);
+        }
+        destination += plan->width * plan->height;
+    } while (code == cudaSuccess && cdl_next_index(layout, plan->outer, index, &offset));
+    return code;
+}
+
+/* The calling thread in relaxed capture mode around an allocation or free (as exchange_alloc.c does): they are
+ * made at once, never as a node of a capture, and must not invalidate one. previous < 0: nothing switched. */
+static int cdl_relax_capture_mode(const cdl_cudart *rt)
+{
+    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    if (rt->thread_exchange_stream_capture_mode == NULL)
+        return -1;
+    if (rt->thread_exchange_stream_capture_mode(&mode) != cudaSuccess) {
+        (void)rt->get_last_error();
+        return -1;
+    }
+    return (int)mode;
+}
+
+static void cdl_restore_capture_mode(const cdl_cudart *rt, int previous)
+{
+    enum cudaStreamCaptureMode mode = (enum cudaStreamCaptureMode)previous;
+    if (previous >= 0 && rt->thread_exchange_stream_capture_mode(&mode) != cudaSuccess)
+        (void)rt->get_last_error();
+}
+
+/* cdl_data_release of our copies: host copies are malloc'd, CUDA ones freed in their device's context. */
+static void cdl_release_copy(void *data, DLDevice device)
+{
+    if (device.device_type == kDLCPU) {
+        free(data);
+        return;
+    }
+    const cdl_cudart *rt = cdl_cudart_loaded(); /* it made the copy, and a runtime is never unloaded */
+    if (rt == NULL)
+        return;
+    int previous = cdl_relax_capture_mode(rt);
+    cdl_device_scope scope;
+    int entered = device.device_type == kDLCUDA && cdl_device_enter(rt, device.device_id, &scope) == 0;
+    cudaError_t code = device.device_type == kDLCUDAHost ? rt->free_host(data) : rt->free(data);
+    if (code != cudaSuccess)
+        (void)rt->get_last_error(); /* at exit the runtime may already be unloading */
+    if (entered)
+        (void)cdl_device_leave(rt, &scope);
+    cdl_restore_capture_mode(rt, previous);
+}
+
+/* The stream a host copy is issued on and waited for: the producer's, which orders it after the producer's
+ * work (the legacy stream where none was given or the sync option is off). */
+static cudaStream_t cdl_producer_stream(const cdl_array *arr)
+{
+    return (cudaStream_t)(intptr_t)(arr->stream != 0 && cdl_option_sync ? arr->stream : CDL_STREAM_LEGACY);
+}
+
+/* CUDA memory to a new host allocation, complete on return. With few enough runtime calls the elements are
+ * copied straight into place; otherwise the bytes the layout reaches are staged in one copy and gathered on
+ * the host, so a host copy is never refused. Returns 0, or -1 with an exception set (destination untouched
+ * for the caller to free). */
+static int cdl_copy_to_host(const cdl_array *arr, const cdl_copy_layout *layout, int64_t itemsize, char *destination)
+{
+    const cdl_cudart *rt = cdl_cudart_get();
+    if (rt == NULL)
+        return -1;
+    cdl_copy_plan plan;
+    cdl_plan_copy(layout, itemsize, &plan);
+    int64_t low = 0, high = 0;
+    char *staging = NULL;
+    if (plan.calls > CDL_COPY_MAX_CALLS) {
+        (void)cdl_measure_extent(arr, itemsize, &low, &high);
+        staging = malloc((size_t)(high - low));
+        if (staging == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    cudaStream_t stream = cdl_producer_stream(arr);
+    const char *failed = NULL;
+    cudaError_t code = cudaSuccess;
+    cdl_device_scope scope;
+    int scope_failed;
+    /* The one place a conversion waits for the device: the consumer asked for host memory. */
+    Py_BEGIN_ALLOW_THREADS
+    scope_failed = cdl_device_enter(rt, arr->home_device, &scope) != 0;
+    if (!scope_failed) {
+        if (staging == NULL) {
+            code = cdl_issue_copies(rt, destination, arr->data, layout, &plan, stream, &failed);
+        }
+        else {
+            failed = "cudaMemcpyAsync";
+            code = rt->memcpy_async(staging, (const char *)arr->data + low, (size_t)(high - low), cudaMemcpyDefault,
+                                    stream);
+        }
+        if (code == cudaSuccess) {
+            failed = "cudaStreamSynchronize";
+            code = rt->stream_synchronize(stream);
+        }
+        if (code == cudaSuccess && staging != NULL)
+            cdl_gather_host(destination, staging - low, layout, itemsize);
+        scope_failed = cdl_device_leave(rt, &scope) != 0 && code == cudaSuccess;
+    }
+    Py_END_ALLOW_THREADS
+    free(staging);
+    if (scope_failed)
+        return cdl_raise_scope_error(&scope);
+    return code == cudaSuccess ? 0 : cdl_raise_cuda_error(failed, code);
+}
+
+/* A new allocation like the source's memory (device, pinned or managed), made in relaxed capture mode. */
+static int cdl_allocate_like(const cdl_cudart *rt, DLDevice device, size_t size, void **out)
+{
+    int previous = cdl_relax_capture_mode(rt);
+    const char *call = device.device_type == kDLCUDAHost ? "cudaMallocHost"
+                       : device.device_type == kDLCUDAManaged ? "cudaMallocManaged" : "cudaMalloc";
+    cudaError_t code = device.device_type == kDLCUDAHost      ? rt->malloc_host(out, size)
+                       : device.device_type == kDLCUDAManaged ? rt->malloc_managed(out, size, cudaMemAttachGlobal)
+                                                              : rt->malloc(out, size);
+    cdl_restore_capture_mode(rt, previous);
+    return code == cudaSuccess ? 0 : cdl_raise_cuda_error(call, code);
+}
+
+/* CUDA memory to a new allocation of the same kind: ordered after the producer's stream, issued on the
+ * consumer's (the producer's for consumer -1, which asks for no ordering), and not waited for. */
+static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layout, int64_t itemsize, int64_t count,
+                              int64_t consumer, void **out)
+{
+    cdl_copy_plan plan;
+    cdl_plan_copy(layout, itemsize, &plan);
+    if (plan.calls > CDL_COPY_MAX_CALLS) {
+        char strides[400] = "";
+        size_t used = 0;
+        for (int32_t i = 0; i < arr->ndim && used < sizeof(strides) - 24; i++)
+            used += (size_t)snprintf(strides + used, sizeof(strides) - used, "%s%lld", i ? ", " : "",
+                                     (long long)arr->strides[i]);
+        PyErr_Format(PyExc_BufferError,
+                     "copy=True of CUDA memory with element strides (%s) would take more than %d runtime copy "
+                     "calls; cai_dlpack copies with the runtime's memcpy calls only (no kernel of its own): ask "
+                     "for a host copy (dl_device=(1, 0)) or copy with the producer's library",
+                     strides, CDL_COPY_MAX_CALLS);
+        return -1;
+    }
+    const cdl_cudart *rt = cdl_cudart_get();
+    if (rt == NULL)
+        return -1;
+    cdl_device_scope scope;
+    if (cdl_device_enter(rt, arr->home_device, &scope) != 0)
+        return cdl_raise_scope_error(&scope);
+    int status = cdl_allocate_like(rt, arr->device, (size_t)(count > 0 ? count * itemsize : 1), out);
+    if (cdl_device_leave(rt, &scope) != 0 && status == 0) {
+        cdl_release_copy(*out, arr->device);
+        return cdl_raise_scope_error(&scope);
+    }
+    if (status < 0)
+        return -1;
+    if (count == 0)
+        return 0;
+    if (cdl_order_streams(arr, consumer) < 0)
+        goto fail;
+    cudaStream_t stream = consumer == CDL_STREAM_NO_SYNC ? cdl_producer_stream(arr) : (cudaStream_t)(intptr_t)consumer;
+    if (cdl_device_enter(rt, arr->home_device, &scope) != 0) {
+        cdl_raise_scope_error(&scope);
+        goto fail;
+    }
+    const char *failed = NULL;
+    cudaError_t code = cdl_issue_copies(rt, *out, arr->data, layout, &plan, stream, &failed);
+    if (cdl_device_leave(rt, &scope) != 0 && code == cudaSuccess) {
+        cdl_raise_scope_error(&scope);
+        goto fail;
+    }
+    if (code != cudaSuccess) {
+        cdl_raise_cuda_error(failed, code);
+        goto fail;
+    }
+    return 0;
+fail:
+    cdl_release_copy(*out, arr->device);
+    return -1;
+}
+
+PyObject *cdl_export_copy(const cdl_array *arr, DLDevice target, int64_t consumer, int versioned)
+{
+    int64_t itemsize = cdl_itemsize(arr->dtype), count = 1, bytes;
+    for (int32_t i = 0; i < arr->ndim; i++)
+        count *= arr->shape[i]; /* the reader checked that the count fits */
+    if (__builtin_mul_overflow(count, itemsize, &bytes)) {
+        PyErr_Format(PyExc_BufferError, "a copy of %lld elements of %lld bytes does not fit in memory",
+                     (long long)count, (long long)itemsize);
+        return NULL;
+    }
+    cdl_copy_layout layout;
+    cdl_reduce_layout(arr, itemsize, &layout);
+    cdl_array copy = *arr;
+    copy.device = target;
+    copy.home_device = target.device_type == kDLCPU ? 0 : arr->home_device;
+    copy.read_only = 0;
+    copy.stream = 0;
+    (void)cdl_contiguous_strides(copy.ndim, copy.shape, copy.strides);
+    if (target.device_type == kDLCPU) {
+        copy.data = malloc((size_t)(bytes > 0 ? bytes : 1));
+        if (copy.data == NULL)
+            return PyErr_NoMemory();
+        int status = 0;
+        if (count > 0 && arr->device.device_type != kDLCPU) {
+            status = cdl_copy_to_host(arr, &layout, itemsize, copy.data);
+        }
+        else if (count > 0 && bytes >= CDL_COPY_RELEASE_GIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            cdl_gather_host(copy.data, arr->data, &layout, itemsize);
+            Py_END_ALLOW_THREADS
+        }
+        else if (count > 0) {
+            cdl_gather_host(copy.data, arr->data, &layout, itemsize);
+        }
+        if (status < 0) {
+            free(copy.data);
+            return NULL;
+        }
+    }
+    else if (cdl_copy_on_device(arr, &layout, itemsize, count, consumer, &copy.data) < 0) {
+        return NULL;
+    }
+    return cdl_capsule_owning_data(&copy, cdl_release_copy, versioned);
+}

@@ -1,0 +1,447 @@
+"""Copies a consumer asks __dlpack__ for: copy=True on the data's own device, dl_device=(kDLCPU, 0) a host copy.
+Host memory directly, "device" memory through the CUDA runtime double (which copies bytes and logs the stream
+of each copy): every layout the bridge reads, values, distinct memory, ownership and freeing, stream order,
+and the errors."""
+import ctypes
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numpy.lib.array_utils import byte_bounds
+
+from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai
+from support.cai_objects import CaiArray, register
+from support.cuda_double import DEVICE, MANAGED, PINNED_HOST
+from support.dlpack_ctypes import DLManagedTensorVersioned, _api, read_capsule
+
+kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
+S1, S2 = 0x5000, 0x6000
+MAX_CALLS = 65536  # csrc/copy.c: CDL_COPY_MAX_CALLS
+
+
+def _base():
+    return np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 4, 5)
+
+
+# Every layout the bridge accepts, as NumPy views of one allocation (so a region of the double covers them).
+LAYOUTS = {
+    "contiguous": lambda: _base(),
+    "strided": lambda: _base()[:, ::2, 1:, ::3],
+    "negative": lambda: _base()[::-1, :, ::-2],
+    "transposed": lambda: _base().transpose(3, 1, 0, 2),
+    "fortran": lambda: np.asfortranarray(_base()),
+    "zero strides": lambda: np.broadcast_to(np.arange(5, dtype=np.float32), (3, 4, 5)),
+    "zero and negative": lambda: np.broadcast_to(np.arange(5, dtype=np.float32)[::-1], (3, 5)),
+    "empty": lambda: _base()[:, :0],
+    "0-d": lambda: np.array(7.5, dtype=np.float32),
+    "extent one": lambda: _base()[1:2, 2:3, :, 4:5],
+}
+
+
+def allocation_of(array):
+    """The NumPy array that owns array's memory (for registering it with the double)."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+def host_values(capsule_fields, dtype):
+    """The values a capsule's host tensor holds (C-contiguous), read through its pointer."""
+    shape = capsule_fields["shape"]
+    count = int(np.prod(shape)) if shape else 1
+    nbytes = count * np.dtype(dtype).itemsize
+    if nbytes == 0:
+        return np.empty(shape, dtype)
+    raw = (ctypes.c_char * nbytes).from_address(capsule_fields["data"])
+    return np.frombuffer(bytes(raw), dtype=dtype).reshape(shape)
+
+
+def contiguous_strides(shape):
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
+
+
+# ---- host memory ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("max_version", [None, (1, 0)])
+def test_host_copy_of_every_layout(layout, max_version):
+    source = LAYOUTS[layout]()
+    capsule = DLPackShim(source).__dlpack__(copy=True, max_version=max_version)
+    fields = read_capsule(capsule)
+    assert fields["device"] == (kDLCPU, 0)
+    assert fields["shape"] == source.shape
+    assert fields["strides"] == contiguous_strides(source.shape)
+    assert fields.get("flags", 0) == 0  # writable, even where the source is not (broadcast views are read-only)
+    np.testing.assert_array_equal(host_values(fields, source.dtype), source)
+    if source.size:
+        lo, hi = byte_bounds(allocation_of(source))
+        assert not lo <= fields["data"] < hi
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_numpy_from_dlpack_copy_true(layout):
+    source = LAYOUTS[layout]()
+    copied = np.from_dlpack(DLPackShim(source), copy=True)
+    np.testing.assert_array_equal(copied, source)
+    assert copied.flags.c_contiguous and copied.flags.writeable
+    assert not np.shares_memory(copied, allocation_of(source))
+    copied[...] = -1  # the copy is its own memory
+    np.testing.assert_array_equal(source, LAYOUTS[layout]())
+
+
+def test_copy_none_and_false_share_host_memory():
+    source = _base()
+    assert np.shares_memory(np.from_dlpack(DLPackShim(source)), source)
+    assert np.shares_memory(np.from_dlpack(DLPackShim(source), copy=False), source)
+    assert np.shares_memory(np.from_dlpack(DLPackShim(source), device="cpu"), source)
+    capsule = DLPackShim(source).__dlpack__(dl_device=(kDLCPU, 0), copy=False)
+    assert read_capsule(capsule)["data"] == source.ctypes.data
+
+
+def test_view_copy_true():
+    source = _base()[:, ::-1]
+    view = dlpack2cai(source)
+    copied = np.from_dlpack(view, copy=True)
+    np.testing.assert_array_equal(copied, source)
+    assert not np.shares_memory(copied, source)
+    assert np.shares_memory(np.from_dlpack(view), allocation_of(source))
+
+
+def test_cai2dlpack_copies_as_dunder_dlpack(cudart):
+    source = _base()[::-1]
+    capsule = cai2dlpack(source, copy=True)
+    fields = read_capsule(capsule)
+    assert fields["strides"] == contiguous_strides(source.shape)
+    np.testing.assert_array_equal(host_values(fields, source.dtype), source)
+    owner = np.ascontiguousarray(source)
+    watch = weakref.ref(owner)
+    register(cudart, owner, DEVICE)
+    capsule = cai2dlpack(CaiArray(owner).__cuda_array_interface__, owner=owner, copy=True)
+    assert read_capsule(capsule)["device"] == (kDLCUDA, 0)
+    del owner
+    assert watch() is None  # the copy keeps no owner
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    device, obj = device_source(cudart, "negative")
+    capsule = cai2dlpack(obj, dl_device=(kDLCPU, 0))
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), np.float32), device)
+    with pytest.raises(BufferError, match="copy=False forbids a copy"):
+        cai2dlpack(obj, dl_device=(kDLCPU, 0), copy=False)
+    assert read_capsule(cai2dlpack(obj))["data"] == device.ctypes.data
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, np.float16,
+                                   np.complex64, np.bool_, np.int8])
+def test_low_precision_copies_bit_for_bit(dtype):
+    bits = np.random.default_rng(3).integers(0, 256, size=(6, 8), dtype=np.uint8)
+    itemsize = np.dtype(dtype).itemsize
+    if dtype is np.bool_:
+        bits = bits & 1
+    raw = np.tile(bits, (1, itemsize))
+    source = raw.view(dtype)[::-1, ::2]
+    capsule = DLPackShim(source).__dlpack__(copy=True, max_version=(1, 0))
+    fields = read_capsule(capsule)
+    copied = host_values(fields, source.dtype)
+    assert copied.view(np.uint8).tobytes() == np.ascontiguousarray(source).view(np.uint8).tobytes()
+
+
+def test_host_copy_holds_no_reference_to_the_source():
+    source = _base()[::2]
+    owner = source.base
+    shim = DLPackShim(source)
+    capsule = shim.__dlpack__(copy=True)
+    watch = weakref.ref(owner)
+    del source, owner, shim
+    gc.collect()
+    assert watch() is None  # the copy lives without its source
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), np.float32), _base()[::2])
+
+
+def test_arguments_are_checked():
+    shim = DLPackShim(_base())
+    with pytest.raises(TypeError, match="copy must be None or a bool, not int"):
+        shim.__dlpack__(copy=1)
+    with pytest.raises(TypeError, match="dl_device must be"):
+        shim.__dlpack__(dl_device="cpu")
+    with pytest.raises(BufferError, match=r"dl_device \(2, 0\) differs from the data's device \(1, 0\); cai_dlpack "
+                                          r"copies only to the host"):
+        shim.__dlpack__(dl_device=(kDLCUDA, 0))
+    with pytest.raises(BufferError, match=r"copy=False forbids a copy"):
+        shim.__dlpack__(dl_device=(kDLCUDA, 0), copy=False)
+
+
+# ---- CUDA memory through the runtime double --------------------------------------------------------------
+
+
+def device_source(cudart, layout, kind=DEVICE, device=0, stream=S1):
+    source = LAYOUTS[layout]()
+    register(cudart, allocation_of(source), kind, device)
+    return source, CaiArray(source, stream=stream)
+
+
+def copies_in(log):
+    return [line for line in log if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync"))]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_host_copy_of_device_memory(cudart, layout):
+    source, obj = device_source(cudart, layout)
+    cudart.clear_log()
+    host = np.from_dlpack(DLPackShim(obj), device="cpu")
+    np.testing.assert_array_equal(host, source)
+    assert host.flags.c_contiguous and host.flags.writeable
+    assert not np.shares_memory(host, allocation_of(source))
+    log = cudart.log()
+    if source.size == 0:
+        assert copies_in(log) == [] and not any("Synchronize" in line for line in log)
+        return
+    # Issued on the producer's stream, then that stream (only) is waited for: the one host wait.
+    assert copies_in(log) and all(line.endswith(f", {S1})") for line in copies_in(log))
+    waits = [line for line in log if "Synchronize" in line]
+    assert waits == [f"cudaStreamSynchronize({S1})"]
+    assert log.index(waits[0]) > log.index(copies_in(log)[-1])
+
+
+@pytest.mark.parametrize("kind, dl_type", [(PINNED_HOST, kDLCUDAHost), (MANAGED, kDLCUDAManaged)])
+def test_host_copy_of_pinned_and_managed_memory(cudart, kind, dl_type):
+    source, obj = device_source(cudart, "strided", kind=kind, stream=None)
+    shim = DLPackShim(obj)
+    assert shim.__dlpack_device__() == (dl_type, 0)
+    cudart.clear_log()
+    host = np.from_dlpack(shim, device="cpu")
+    np.testing.assert_array_equal(host, source)
+    assert not np.shares_memory(host, allocation_of(source))
+    assert "cudaStreamSynchronize(1)" in cudart.log()  # no producer stream: the legacy one
+
+
+def test_host_copy_past_the_call_limit_is_staged(cudart):
+    allocation = np.arange(2 * (MAX_CALLS + 10), dtype=np.float32)
+    register(cudart, allocation, DEVICE)
+    source = allocation[::-2]  # one element per call: too many calls, so the bytes are staged
+    cudart.clear_log()
+    host = np.from_dlpack(DLPackShim(CaiArray(source, stream=S1)), device="cpu")
+    np.testing.assert_array_equal(host, source)
+    assert copies_in(cudart.log()) == [f"cudaMemcpyAsync({allocation.nbytes - 4} bytes, kind 4, {S1})"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_device_copy_of_every_layout(cudart, layout):
+    source, obj = device_source(cudart, layout)
+    cudart.add_stream(S1, 0)
+    cudart.add_stream(S2, 0)
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
+    fields = read_capsule(capsule)
+    assert fields["device"] == (kDLCUDA, 0)
+    assert fields["shape"] == source.shape and fields["strides"] == contiguous_strides(source.shape)
+    assert fields["flags"] == 0
+    np.testing.assert_array_equal(host_values(fields, source.dtype), source)
+    lo, hi = byte_bounds(allocation_of(source))
+    assert not lo <= fields["data"] < hi
+    log = cudart.log()
+    assert not any("Synchronize" in line for line in log)  # the host does not wait
+    assert any(line.startswith("cudaMalloc(") for line in log)
+    if source.size == 0:
+        assert copies_in(log) == []
+        return
+    # The producer's stream is ordered before the consumer's, then every copy runs on the consumer's.
+    wait = next(i for i, line in enumerate(log) if line.startswith(f"cudaStreamWaitEvent({S2}"))
+    assert any(line.startswith("cudaEventRecord") and line.endswith(f", {S1})") for line in log[:wait])
+    copies = [i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync"))]
+    assert copies and min(copies) > wait
+    assert all(log[i].endswith(f", {S2})") for i in copies)
+
+
+def test_device_copy_calls(cudart):
+    source, obj = device_source(cudart, "strided")  # (2, 2, 3, 2) of (2,3,4,5): rows are single elements
+    cudart.clear_log()
+    DLPackShim(obj).__dlpack__(stream=S2, copy=True)
+    # innermost stride 3 elements: width 4 bytes, 2 rows 12 bytes apart per call; 2*2*3 outer indices
+    assert copies_in(cudart.log()) == ["cudaMemcpy2DAsync(2 x 4 bytes, pitches 4 12, kind 4, 24576)"] * 12
+    source, obj = device_source(cudart, "contiguous")
+    cudart.clear_log()
+    DLPackShim(obj).__dlpack__(stream=S2, copy=True)
+    assert copies_in(cudart.log()) == [f"cudaMemcpyAsync({source.nbytes} bytes, kind 4, 24576)"]
+    source = _base()[:, ::2, 1:3]  # rows of 10 contiguous floats, 160 bytes apart; the outer step does not merge
+    register(cudart, allocation_of(source), DEVICE)
+    cudart.clear_log()
+    DLPackShim(CaiArray(source)).__dlpack__(stream=S2, copy=True)
+    assert copies_in(cudart.log()) == ["cudaMemcpy2DAsync(2 x 40 bytes, pitches 40 160, kind 4, 24576)"] * 2
+
+
+def test_device_copy_with_no_sync_runs_on_the_producers_stream(cudart):
+    source, obj = device_source(cudart, "contiguous")
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(stream=-1, copy=True)
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    assert copies_in(cudart.log()) == [f"cudaMemcpyAsync({source.nbytes} bytes, kind 4, {S1})"]
+    assert not any(line.startswith("cudaStreamWaitEvent") for line in cudart.log())
+
+
+@pytest.mark.parametrize("kind, dl_type, alloc, free", [(PINNED_HOST, kDLCUDAHost, "cudaMallocHost", "cudaFreeHost"),
+                                                        (MANAGED, kDLCUDAManaged, "cudaMallocManaged", "cudaFree")])
+def test_device_copy_of_pinned_and_managed_memory(cudart, kind, dl_type, alloc, free):
+    source, obj = device_source(cudart, "negative", kind=kind)
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))
+    fields = read_capsule(capsule)
+    assert fields["device"] == (dl_type, 0)
+    np.testing.assert_array_equal(host_values(fields, source.dtype), source)
+    assert any(line.startswith(alloc + "(") for line in cudart.log())
+    cudart.clear_log()
+    del capsule
+    assert cudart.log().count(free + "()") == 1
+
+
+def test_device_copy_freed_once_by_its_consumer(cudart):
+    source, obj = device_source(cudart, "transposed")
+    shim = DLPackShim(obj)
+    view = dlpack2cai(shim.__dlpack__(copy=True, max_version=(1, 0)))
+    assert view.device == (kDLCUDA, 0)
+    assert view.__cuda_array_interface__["data"][0] != source.ctypes.data
+    watch = weakref.ref(obj)
+    del shim, obj
+    gc.collect()
+    assert watch() is None  # the copy does not keep its source's owner
+    cudart.clear_log()
+    del view
+    assert cudart.log().count("cudaFree()") == 1
+
+
+def test_device_copy_freed_on_a_thread_without_the_gil(cudart):
+    source, obj = device_source(cudart, "contiguous")
+    capsule = DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))
+    address = _api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+    _api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    _api.PyCapsule_SetName(capsule, b"used_dltensor_versioned")  # consumed: ours to delete
+    deleter = ctypes.cast(DLManagedTensorVersioned.from_address(address).deleter, ctypes.c_void_p).value
+    cudart.lib.double_call_in_thread.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    cudart.clear_log()
+    assert cudart.lib.double_call_in_thread(deleter, address) == 0
+    assert cudart.log().count("cudaFree()") == 1
+    del capsule
+    assert cudart.log().count("cudaFree()") == 1
+
+
+def test_device_copy_freed_while_the_interpreter_finalizes(tmp_path):
+    log_path = tmp_path / "log.txt"
+    script = textwrap.dedent("""
+        import ctypes, time, os, sys
+        import numpy as np
+        sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
+        from support.cuda_double import CudaDouble, DEVICE
+        from support.cai_objects import CaiArray, register
+        from support.dlpack_ctypes import DLManagedTensorVersioned, _api
+        from cai_dlpack import DLPackShim
+        double = CudaDouble(os.environ["CAI_DLPACK_CUDART"])
+        source = np.arange(100.0)
+        register(double, source, DEVICE)
+        capsule = DLPackShim(CaiArray(source)).__dlpack__(copy=True, max_version=(1, 0))
+        address = _api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+        _api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        _api.PyCapsule_SetName(capsule, b"used_dltensor_versioned")
+        deleter = ctypes.cast(DLManagedTensorVersioned.from_address(address).deleter, ctypes.c_void_p).value
+        double.lib.double_call_later.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        class SlowToDie:
+            def __del__(self):
+                print("finalizing", sys.is_finalizing(), flush=True)
+                time.sleep(0.3)   # finalization is under way while the deleter runs on its thread
+        slow = SlowToDie()        # a global of __main__: it dies in the interpreter's module teardown
+        double.clear_log()
+        assert double.lib.double_call_later(deleter, address, 100000) == 0
+        print("exiting")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), CUDART_DOUBLE_LOG_AT_EXIT=str(log_path))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["exiting", "finalizing", "True"]
+    assert log_path.read_text().splitlines().count("cudaFree()") == 1
+
+
+def test_copy_none_and_false_share_device_memory(cudart):
+    source, obj = device_source(cudart, "strided")
+    for copy in (None, False):
+        capsule = DLPackShim(obj).__dlpack__(copy=copy, dl_device=(kDLCUDA, 0))
+        assert read_capsule(capsule)["data"] == source.ctypes.data
+    cudart.clear_log()
+    DLPackShim(obj).__dlpack__(copy=False)
+    assert copies_in(cudart.log()) == []
+
+
+def test_host_copy_refused_by_copy_false(cudart):
+    source, obj = device_source(cudart, "contiguous")
+    with pytest.raises(BufferError, match=r"dl_device \(1, 0\) differs from the data's device \(2, 0\) and "
+                                          r"copy=False forbids a copy"):
+        DLPackShim(obj).__dlpack__(dl_device=(kDLCPU, 0), copy=False)
+    with pytest.raises(BufferError, match=r"dl_device \(2, 1\) differs .* copies only to the host"):
+        DLPackShim(obj).__dlpack__(dl_device=(kDLCUDA, 1))
+
+
+def test_device_copy_needing_a_kernel_is_refused(cudart):
+    allocation = np.arange(2 * (MAX_CALLS + 10), dtype=np.float32)
+    register(cudart, allocation, DEVICE)
+    obj = CaiArray(allocation[::-2])
+    cudart.clear_log()
+    with pytest.raises(BufferError, match=r"element strides \(-2\) would take more than 65536 runtime copy calls; "
+                                          r"cai_dlpack copies with the runtime's memcpy calls only \(no kernel"):
+        DLPackShim(obj).__dlpack__(copy=True)
+    assert not any(line.startswith("cudaMalloc") for line in cudart.log())  # refused before anything is made
+    # The same array copies to the host.
+    np.testing.assert_array_equal(np.from_dlpack(DLPackShim(obj), device="cpu"), allocation[::-2])
+
+
+@pytest.mark.parametrize("call", ["cudaMemcpyAsync", "cudaMemcpy2DAsync"])
+def test_failed_device_copy_frees_its_allocation(cudart, call):
+    source, obj = device_source(cudart, "contiguous" if call == "cudaMemcpyAsync" else "strided")
+    cudart.fail(call, 700)
+    cudart.clear_log()
+    with pytest.raises(CudaError, match=call):
+        DLPackShim(obj).__dlpack__(stream=S2, copy=True)
+    log = cudart.log()
+    assert sum(line.startswith("cudaMalloc(") for line in log) == log.count("cudaFree()") == 1
+
+
+def test_failed_allocation_raises(cudart):
+    source, obj = device_source(cudart, "contiguous")
+    cudart.fail("cudaMalloc", 2)
+    with pytest.raises(CudaError, match="cudaMalloc.*cudaErrorMemoryAllocation"):
+        DLPackShim(obj).__dlpack__(copy=True)
+
+
+@pytest.mark.parametrize("call", ["cudaMemcpyAsync", "cudaStreamSynchronize"])
+def test_failed_host_copy_raises(cudart, call):
+    source, obj = device_source(cudart, "contiguous")
+    cudart.fail(call, 700)
+    with pytest.raises(CudaError, match=f"{call}.*cudaErrorIllegalAddress"):
+        DLPackShim(obj).__dlpack__(dl_device=(kDLCPU, 0))
+
+
+def test_host_copies_from_many_threads(cudart):
+    # Host copies wait with the GIL released; copies from four threads at once stay correct.
+    source, obj = device_source(cudart, "negative")
+    errors = []
+
+    def work():
+        try:
+            for _ in range(200):
+                np.testing.assert_array_equal(np.from_dlpack(DLPackShim(obj), device="cpu"), source)
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
