@@ -85,14 +85,41 @@ static int cdl_next_index(const cdl_copy_layout *layout, int32_t ndim, int64_t *
     return 0;
 }
 
-/* Host to host: every element of the layout at source, written in C order to destination. No Python. */
+/* count items of itemsize bytes, stride bytes apart at source, packed at destination. Fixed sizes let the
+ * compiler turn each memcpy into one load and store. */
+static void cdl_copy_strided_run(char *destination, const char *source, int64_t count, int64_t stride,
+                                 int64_t itemsize)
+{
+#define CDL_RUN(size)                                                                                           \
+    for (int64_t i = 0; i < count; i++)                                                                        \
+        memcpy(destination + i * (size), source + i * stride, (size));                                        \
+    return
+    switch (itemsize) {
+    case 1: CDL_RUN(1);
+    case 2: CDL_RUN(2);
+    case 4: CDL_RUN(4);
+    case 8: CDL_RUN(8);
+    case 16: CDL_RUN(16);
+    default: CDL_RUN((size_t)itemsize);
+    }
+#undef CDL_RUN
+}
+
+/* Host to host: every element of the layout at source, written in C order to destination: a memcpy per
+ * innermost contiguous run, else a strided run per innermost dimension. No Python. */
 static void cdl_gather_host(char *destination, const char *source, const cdl_copy_layout *layout, int64_t itemsize)
 {
     int32_t n = layout->ndim;
-    int64_t width = itemsize;
-    if (n > 0 && layout->strides[n - 1] == itemsize)
-        width = layout->shape[--n] * itemsize;
     int64_t index[CDL_MAX_NDIM] = {0}, offset = 0;
+    if (n > 0 && layout->strides[n - 1] != itemsize) {
+        int64_t count = layout->shape[n - 1], stride = layout->strides[n - 1];
+        do {
+            cdl_copy_strided_run(destination, source + offset, count, stride, itemsize);
+            destination += count * itemsize;
+        } while (cdl_next_index(layout, n - 1, index, &offset));
+        return;
+    }
+    int64_t width = n > 0 ? layout->shape[--n] * itemsize : itemsize;
     do {
         memcpy(destination, source + offset, (size_t)width);
         destination += width;
