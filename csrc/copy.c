@@ -222,11 +222,34 @@ static int cdl_copy_to_host(const cdl_array *arr, const cdl_copy_layout *layout,
     const char *failed = NULL;
     cudaError_t code = cudaSuccess;
     cdl_device_scope scope;
-    int scope_failed;
+    if (cdl_device_enter(rt, arr->home_device, &scope) != 0) {
+        free(staging);
+        return cdl_raise_scope_error(&scope);
+    }
+    /* Waiting for a capturing stream would invalidate its capture (and the legacy stream cannot be used while
+     * a blocking stream captures): refused before any call that would break it. */
+    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    unsigned long long capture_id = 0;
+    cudaError_t query = cdl_stream_capture_info(rt, stream, &capture, &capture_id);
+    if (query != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+        free(staging);
+        if (query != cudaSuccess)
+            (void)rt->get_last_error();
+        (void)cdl_device_leave(rt, &scope);
+        return cdl_raise_capture_error("cudaStreamSynchronize",
+                                       query != cudaSuccess ? (int)query : (int)cudaErrorStreamCaptureUnsupported,
+                                       "a host copy (dl_device=(1, 0)) waits for stream %lld, which %s; make the host "
+                                       "copy outside the capture",
+                                       (long long)(intptr_t)stream,
+                                       query == cudaErrorStreamCaptureImplicit
+                                           ? "is the legacy stream while a blocking stream captures a CUDA graph"
+                                       : query != cudaSuccess ? "could not be asked about graph captures"
+                                                              : "is capturing a CUDA graph");
+    }
+    int scope_failed = 0;
     /* The one place a conversion waits for the device: the consumer asked for host memory. */
     Py_BEGIN_ALLOW_THREADS
-    scope_failed = cdl_device_enter(rt, arr->home_device, &scope) != 0;
-    if (!scope_failed) {
+    {
         if (staging == NULL) {
             code = cdl_issue_copies(rt, destination, arr->data, layout, &plan, stream, &failed);
         }

@@ -445,3 +445,25 @@ def test_host_copies_from_many_threads(cudart):
     for thread in threads:
         thread.join()
     assert errors == []
+
+
+def test_host_copy_refused_while_its_stream_captures(cudart):
+    source, obj = device_source(cudart, "contiguous")
+    capture = cudart.begin_capture(S1)
+    with pytest.raises(CudaError, match=rf"waits for stream {S1}, which is capturing a CUDA graph"):
+        np.from_dlpack(DLPackShim(obj), device="cpu")
+    assert cudart.violations == 0 and cudart.end_capture(capture)  # nothing broke the capture
+    source, obj = device_source(cudart, "contiguous", stream=None)
+    capture = cudart.begin_capture(S2, blocking=True)
+    with pytest.raises(CudaError, match="is the legacy stream while a blocking stream captures"):
+        np.from_dlpack(DLPackShim(obj), device="cpu")
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+
+
+def test_device_copy_into_a_capture(cudart):
+    source, obj = device_source(cudart, "strided")
+    capture = cudart.begin_capture(S2)  # the consumer captures (PyTorch's default, global mode)
+    capsule = DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    del capsule  # freed in relaxed mode too
+    assert cudart.violations == 0 and cudart.end_capture(capture)
