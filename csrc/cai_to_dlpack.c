@@ -641,15 +641,17 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
      * a copy there unless copy=False, which never copies. Copies are made to the host or on the data's own
      * device, nowhere else. */
     int other_device = target.device_type != arr->device.device_type || target.device_id != arr->device.device_id;
+    /* Refusals are UnsupportedArrayError: the BufferError the array API asks __dlpack__ for, and the ValueError
+     * it asks from_dlpack for (NumPy's from_dlpack passes ours on as it is). */
     if (other_device && copy == Py_False) {
-        PyErr_Format(PyExc_BufferError,
+        PyErr_Format(cdl_UnsupportedError,
                      "dl_device (%d, %d) differs from the data's device (%d, %d) and copy=False forbids a copy",
                      (int)target.device_type, (int)target.device_id, (int)arr->device.device_type,
                      (int)arr->device.device_id);
         return NULL;
     }
     if (other_device && !(target.device_type == kDLCPU && target.device_id == 0)) {
-        PyErr_Format(PyExc_BufferError,
+        PyErr_Format(cdl_UnsupportedError,
                      "dl_device (%d, %d) differs from the data's device (%d, %d); cai_dlpack copies only to the "
                      "host, dl_device=(1, 0), or on the data's own device (copy=True)",
                      (int)target.device_type, (int)target.device_id, (int)arr->device.device_type,

@@ -85,14 +85,41 @@ static int cdl_next_index(const cdl_copy_layout *layout, int32_t ndim, int64_t *
     return 0;
 }
 
-/* Host to host: every element of the layout at source, written in C order to destination. No Python. */
+/* count items of itemsize bytes, stride bytes apart at source, packed at destination. Fixed sizes let the
+ * compiler turn each memcpy into one load and store. */
+static void cdl_copy_strided_run(char *destination, const char *source, int64_t count, int64_t stride,
+                                 int64_t itemsize)
+{
+#define CDL_RUN(size)                                                                                           \
+    for (int64_t i = 0; i < count; i++)                                                                        \
+        memcpy(destination + i * (size), source + i * stride, (size));                                        \
+    return
+    switch (itemsize) {
+    case 1: CDL_RUN(1);
+    case 2: CDL_RUN(2);
+    case 4: CDL_RUN(4);
+    case 8: CDL_RUN(8);
+    case 16: CDL_RUN(16);
+    default: CDL_RUN((size_t)itemsize);
+    }
+#undef CDL_RUN
+}
+
+/* Host to host: every element of the layout at source, written in C order to destination: a memcpy per
+ * innermost contiguous run, else a strided run per innermost dimension. No Python. */
 static void cdl_gather_host(char *destination, const char *source, const cdl_copy_layout *layout, int64_t itemsize)
 {
     int32_t n = layout->ndim;
-    int64_t width = itemsize;
-    if (n > 0 && layout->strides[n - 1] == itemsize)
-        width = layout->shape[--n] * itemsize;
     int64_t index[CDL_MAX_NDIM] = {0}, offset = 0;
+    if (n > 0 && layout->strides[n - 1] != itemsize) {
+        int64_t count = layout->shape[n - 1], stride = layout->strides[n - 1];
+        do {
+            cdl_copy_strided_run(destination, source + offset, count, stride, itemsize);
+            destination += count * itemsize;
+        } while (cdl_next_index(layout, n - 1, index, &offset));
+        return;
+    }
+    int64_t width = n > 0 ? layout->shape[--n] * itemsize : itemsize;
     do {
         memcpy(destination, source + offset, (size_t)width);
         destination += width;
@@ -195,11 +222,34 @@ static int cdl_copy_to_host(const cdl_array *arr, const cdl_copy_layout *layout,
     const char *failed = NULL;
     cudaError_t code = cudaSuccess;
     cdl_device_scope scope;
-    int scope_failed;
+    if (cdl_device_enter(rt, arr->home_device, &scope) != 0) {
+        free(staging);
+        return cdl_raise_scope_error(&scope);
+    }
+    /* Waiting for a capturing stream would invalidate its capture (and the legacy stream cannot be used while
+     * a blocking stream captures): refused before any call that would break it. */
+    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    unsigned long long capture_id = 0;
+    cudaError_t query = cdl_stream_capture_info(rt, stream, &capture, &capture_id);
+    if (query != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+        free(staging);
+        if (query != cudaSuccess)
+            (void)rt->get_last_error();
+        (void)cdl_device_leave(rt, &scope);
+        return cdl_raise_capture_error("cudaStreamSynchronize",
+                                       query != cudaSuccess ? (int)query : (int)cudaErrorStreamCaptureUnsupported,
+                                       "a host copy (dl_device=(1, 0)) waits for stream %lld, which %s; make the host "
+                                       "copy outside the capture",
+                                       (long long)(intptr_t)stream,
+                                       query == cudaErrorStreamCaptureImplicit
+                                           ? "is the legacy stream while a blocking stream captures a CUDA graph"
+                                       : query != cudaSuccess ? "could not be asked about graph captures"
+                                                              : "is capturing a CUDA graph");
+    }
+    int scope_failed = 0;
     /* The one place a conversion waits for the device: the consumer asked for host memory. */
     Py_BEGIN_ALLOW_THREADS
-    scope_failed = cdl_device_enter(rt, arr->home_device, &scope) != 0;
-    if (!scope_failed) {
+    {
         if (staging == NULL) {
             code = cdl_issue_copies(rt, destination, arr->data, layout, &plan, stream, &failed);
         }

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from numpy.lib.array_utils import byte_bounds
 
-from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai
+from cai_dlpack import CudaError, DLPackShim, UnsupportedArrayError, cai2dlpack, dlpack2cai
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, MANAGED, PINNED_HOST
 from support.dlpack_ctypes import DLManagedTensorVersioned, _api, read_capsule
@@ -174,9 +174,13 @@ def test_arguments_are_checked():
         shim.__dlpack__(copy=1)
     with pytest.raises(TypeError, match="dl_device must be"):
         shim.__dlpack__(dl_device="cpu")
-    with pytest.raises(BufferError, match=r"dl_device \(2, 0\) differs from the data's device \(1, 0\); cai_dlpack "
-                                          r"copies only to the host"):
+    with pytest.raises(UnsupportedArrayError, match=r"dl_device \(2, 0\) differs from the data's device \(1, 0\); "
+                                                    r"cai_dlpack copies only to the host"):
         shim.__dlpack__(dl_device=(kDLCUDA, 0))
+    # Both what the array API asks __dlpack__ to raise and what NumPy's own __dlpack__ raises for (10, 0).
+    for error in (BufferError, ValueError):
+        with pytest.raises(error):
+            shim.__dlpack__(dl_device=(10, 0))
     with pytest.raises(BufferError, match=r"copy=False forbids a copy"):
         shim.__dlpack__(dl_device=(kDLCUDA, 0), copy=False)
 
@@ -381,9 +385,12 @@ def test_copy_none_and_false_share_device_memory(cudart):
 
 def test_host_copy_refused_by_copy_false(cudart):
     source, obj = device_source(cudart, "contiguous")
-    with pytest.raises(BufferError, match=r"dl_device \(1, 0\) differs from the data's device \(2, 0\) and "
-                                          r"copy=False forbids a copy"):
+    with pytest.raises(UnsupportedArrayError, match=r"dl_device \(1, 0\) differs from the data's device \(2, 0\) "
+                                                    r"and copy=False forbids a copy"):
         DLPackShim(obj).__dlpack__(dl_device=(kDLCPU, 0), copy=False)
+    # numpy.from_dlpack passes it on: a ValueError, as the array API asks of from_dlpack here.
+    with pytest.raises(ValueError, match="copy=False forbids a copy"):
+        np.from_dlpack(DLPackShim(obj), device="cpu", copy=False)
     with pytest.raises(BufferError, match=r"dl_device \(2, 1\) differs .* copies only to the host"):
         DLPackShim(obj).__dlpack__(dl_device=(kDLCUDA, 1))
 
@@ -445,3 +452,25 @@ def test_host_copies_from_many_threads(cudart):
     for thread in threads:
         thread.join()
     assert errors == []
+
+
+def test_host_copy_refused_while_its_stream_captures(cudart):
+    source, obj = device_source(cudart, "contiguous")
+    capture = cudart.begin_capture(S1)
+    with pytest.raises(CudaError, match=rf"waits for stream {S1}, which is capturing a CUDA graph"):
+        np.from_dlpack(DLPackShim(obj), device="cpu")
+    assert cudart.violations == 0 and cudart.end_capture(capture)  # nothing broke the capture
+    source, obj = device_source(cudart, "contiguous", stream=None)
+    capture = cudart.begin_capture(S2, blocking=True)
+    with pytest.raises(CudaError, match="is the legacy stream while a blocking stream captures"):
+        np.from_dlpack(DLPackShim(obj), device="cpu")
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+
+
+def test_device_copy_into_a_capture(cudart):
+    source, obj = device_source(cudart, "strided")
+    capture = cudart.begin_capture(S2)  # the consumer captures (PyTorch's default, global mode)
+    capsule = DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    del capsule  # freed in relaxed mode too
+    assert cudart.violations == 0 and cudart.end_capture(capture)
