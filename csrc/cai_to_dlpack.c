@@ -633,9 +633,17 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
     if (cdl_parse_stream(stream, "stream", 1, &consumer) < 0 || cdl_parse_max_version(max_version, &versioned) < 0 ||
         cdl_parse_dl_device(dl_device, arr->device, &target) < 0)
         return NULL;
-    if (copy != NULL && copy != Py_None && !PyBool_Check(copy)) {
-        PyErr_Format(PyExc_TypeError, "copy must be None or a bool, not %.200s", Py_TYPE(copy)->tp_name);
-        return NULL;
+    /* copy: None, or a truth value. A bool, or a number that has one (a NumPy bool_ or 0-d array, as NumPy's own
+     * __dlpack__ takes; an array of several values raises its own ValueError); a str or any other object is a
+     * TypeError, never read as True. */
+    int copy_asked = -1;
+    if (copy != NULL && copy != Py_None) {
+        if (!PyBool_Check(copy) && !PyNumber_Check(copy)) {
+            PyErr_Format(PyExc_TypeError, "copy must be None or a bool, not %.200s", Py_TYPE(copy)->tp_name);
+            return NULL;
+        }
+        if ((copy_asked = PyObject_IsTrue(copy)) < 0)
+            return NULL;
     }
     /* The array API's rules (the README's table): copy=True copies, a dl_device other than the data's asks for
      * a copy there unless copy=False, which never copies. Copies are made to the host or on the data's own
@@ -643,7 +651,7 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
     int other_device = target.device_type != arr->device.device_type || target.device_id != arr->device.device_id;
     /* Refusals are UnsupportedArrayError: the BufferError the array API asks __dlpack__ for, and the ValueError
      * it asks from_dlpack for (NumPy's from_dlpack passes ours on as it is). */
-    if (other_device && copy == Py_False) {
+    if (other_device && copy_asked == 0) {
         PyErr_Format(cdl_UnsupportedError,
                      "dl_device (%d, %d) differs from the data's device (%d, %d) and copy=False forbids a copy",
                      (int)target.device_type, (int)target.device_id, (int)arr->device.device_type,
@@ -658,7 +666,7 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
                      (int)arr->device.device_id);
         return NULL;
     }
-    if (other_device || copy == Py_True)
+    if (other_device || copy_asked == 1)
         return cdl_export_copy(arr, target, consumer, versioned);
     if (arr->read_only && !versioned) {
         PyErr_SetString(PyExc_BufferError,

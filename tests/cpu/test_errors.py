@@ -236,6 +236,22 @@ def test_dlpack_argument_errors(kwargs, error, message):
         view.__dlpack__(**kwargs)
 
 
+def test_copy_takes_a_truth_value_as_numpy_does():
+    """NumPy's __dlpack__ reads copy by its truth value: a NumPy bool_ or 0-d array works, an array of several
+    values raises its own ValueError; a str is never read as True."""
+    x = np.arange(4.0)
+    for value, copies in ((np.False_, False), (np.array(False), False), (np.True_, True), (0, False)):
+        y = np.asarray(dlpack2cai(DLPackShim(x).__dlpack__(copy=value, max_version=(1, 0))))
+        assert np.shares_memory(x, y) is not copies and y.tolist() == x.tolist()
+    with pytest.raises(ValueError, match="truth value of an array with more than one element is ambiguous"):
+        DLPackShim(x).__dlpack__(copy=np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match="truth value"):
+        x.__dlpack__(copy=np.array([1, 2, 3]))  # NumPy's own exporter says the same
+    for value in ("yes", b"", object(), [True]):
+        with pytest.raises(TypeError, match="copy must be None or a bool"):
+            DLPackShim(x).__dlpack__(copy=value)
+
+
 def test_dlpack_accepts_matching_device_and_copy_false():
     shim = DLPackShim(np.arange(3))
     assert shim.__dlpack__(dl_device=(1, 0), copy=False, max_version=(1, 0)) is not None
