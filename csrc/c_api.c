@@ -109,7 +109,7 @@ static int cdl_api_to_managed_tensor(PyObject *obj, int64_t consumer_stream, DLM
     if (PyDict_Check(obj)) {
         PyErr_SetString(PyExc_TypeError,
                         "to_managed_tensor() of a bare interface dict: nothing would keep its memory alive; pass "
-                        "the object that owns the memory (or a capsule from cai2dlpack(d, owner=...))");
+                        "the object that owns the memory, or a view of one: dlpack2cai(cai2dlpack(d, owner=...))");
         return -1;
     }
     PyObject *view = NULL;

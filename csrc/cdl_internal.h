@@ -276,6 +276,9 @@ int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out);
  * device for pinned and managed memory) with CudaError naming what (for example "the exchange API's work
  * stream is") while a blocking stream there captures a graph. 0 or -1. */
 int cdl_check_legacy_stream(DLDeviceType device_type, int32_t device_id, const char *what);
+/* Whether the legacy default stream of the caller's current device is unusable now (a blocking stream there
+ * captures a graph): 1 or 0, or -1 with an exception. Asks only a runtime already loaded (none: 0). */
+int cdl_legacy_stream_unusable(void);
 /* The exchange API's current work stream of a device: NULL (the legacy default stream) for CUDA memory,
  * or -1 with CudaError while a blocking stream of that device captures a graph (launching on the legacy
  * stream would invalidate the capture); NULL without a call for other devices. */

@@ -246,12 +246,24 @@ static int cdl_refuse_legacy_stream_for(PyObject *obj)
         return 0;
     PyObject *device = PyObject_CallMethodNoArgs(obj, cdl_name.dlpack_device);
     if (device == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear(); /* no device to ask about: __dlpack__ decides */
+            return 0;
+        }
         if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError))
             return -1;
-        /* No device to ask about (none, or one the producer cannot name: torch's meta tensors): __dlpack__
-         * decides, and says why in the producer's own words. */
-        PyErr_Clear();
-        return 0;
+        /* A device the producer cannot name (torch's meta tensors): __dlpack__ decides, in the producer's own
+         * words, unless the caller's legacy stream is unusable now: then the producer's error is raised, and
+         * nothing is asked of it that could break the capture. */
+        cdl_pending_error unnamed;
+        cdl_error_stash(&unnamed);
+        int unusable = cdl_legacy_stream_unusable();
+        if (unusable > 0) {
+            cdl_error_unstash(&unnamed);
+            return -1;
+        }
+        cdl_error_discard(&unnamed);
+        return unusable;
     }
     int type = -1, id = 0;
     if (!PyTuple_Check(device) || !PyArg_ParseTuple(device, "ii", &type, &id))

@@ -26,7 +26,7 @@ _Atomic int cdl_option_export_stream = 1;
 typedef struct {
     unsigned long long key;
     int64_t external_for; /* the producer stream of an external wait's event; 0 for the shared one */
-    unsigned long thread; /* for external_for 2, the thread whose per-thread stream it is; else 0 */
+    unsigned long long thread; /* for external_for 2, the serial of the thread whose stream it is; else 0 */
     cudaEvent_t event;
 } cdl_pool_entry;
 #define CDL_POOL_LIMIT 64
@@ -139,16 +139,27 @@ static int cdl_pool_key(const cdl_cudart *rt, const cdl_device_scope *scope, int
     return code == 0 ? 0 : cdl_raise_driver_error("cuCtxGetId", code);
 }
 
-/* The thread an external wait's event belongs to: the caller for the per-thread default stream, else 0. */
-static unsigned long cdl_pool_thread(int64_t external_for)
+/* A number for the calling thread that no other thread of the process ever has (a thread's ident is reused
+ * once it exits, and a graph captured there may still be replayed): given on the thread's first use. */
+static unsigned long long cdl_thread_serial(void)
 {
-    return external_for == CDL_STREAM_PER_THREAD ? PyThread_get_thread_ident() : 0;
+    static _Atomic unsigned long long next = 1;
+    static _Thread_local unsigned long long serial;
+    if (serial == 0)
+        serial = next++;
+    return serial;
+}
+
+/* The thread an external wait's event belongs to: the caller for the per-thread default stream, else 0. */
+static unsigned long long cdl_pool_thread(int64_t external_for)
+{
+    return external_for == CDL_STREAM_PER_THREAD ? cdl_thread_serial() : 0;
 }
 
 /* The pool's entry for key (and the producer stream of an external wait, or 0), or NULL. Lock held. */
 static cdl_pool_entry *cdl_pool_find(unsigned long long key, int64_t external_for)
 {
-    const unsigned long thread = cdl_pool_thread(external_for);
+    const unsigned long long thread = cdl_pool_thread(external_for);
     for (int i = 0; i < cdl_event_pool_used; i++) {
         if (cdl_event_pool[i].key == key && cdl_event_pool[i].external_for == external_for &&
             cdl_event_pool[i].thread == thread)
@@ -420,6 +431,17 @@ int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out)
     if (enter && cdl_device_leave(rt, &scope) != 0 && result == 0)
         result = cdl_raise_scope_error(&scope);
     return result;
+}
+
+int cdl_legacy_stream_unusable(void)
+{
+    const cdl_cudart *rt = cdl_cudart_loaded();
+    if (rt == NULL)
+        return 0; /* no runtime loaded: nobody in this process captures through it */
+    cdl_capture legacy;
+    if (cdl_capture_of(rt, CDL_STREAM_LEGACY, &legacy) < 0)
+        return -1;
+    return legacy.state == CDL_CAPTURE_LEGACY_UNUSABLE;
 }
 
 int cdl_current_work_stream(DLDeviceType device_type, int32_t device_id, void **out)

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 
-from cai_dlpack import CudaError, DLPackShim, DLPackView, cai2dlpack, dlpack2cai
+from cai_dlpack import CudaError, DLPackShim, DLPackView, cai2dlpack, cuda_runtime_info, dlpack2cai
 from support import c_example, cuda_double
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL, MANAGED, RELAXED, THREAD_LOCAL
@@ -315,8 +315,14 @@ def test_per_thread_producer_streams_of_two_threads_have_their_own_external_even
     convert("main again", C_HANDLE)  # the same thread's stream 2: the same event as before
     assert used["main"][0] == used["main"][1] == used["main again"][0]
     assert used["worker"][0] == used["worker"][1] != used["main"][0]
+    # A later thread may be given the exited worker's id: its stream is still another stream.
+    third = cudart.begin_capture(C_HANDLE + 2, 0, RELAXED)
+    worker = threading.Thread(target=convert, args=("next worker", C_HANDLE + 2))
+    worker.start()
+    worker.join()
+    assert used["next worker"][0] not in (used["worker"][0], used["main"][0])
     assert cudart.violations == 0, cudart.log()
-    assert cudart.end_capture(first) and cudart.end_capture(second)
+    assert cudart.end_capture(first) and cudart.end_capture(second) and cudart.end_capture(third)
 
 
 def test_a_producer_on_another_device_joins_the_capture_in_its_context(cudart):
@@ -616,3 +622,32 @@ def test_exchange_allocator_with_a_runtime_that_cannot_switch_modes(tmp_path, ex
         "REFUSED RuntimeError: cai_dlpack allocator: 16 bytes on device (2, 0): cudaMalloc failed: "
         "cudaErrorStreamCaptureUnsupported",
         "VIOLATIONS 1"]
+
+
+class UnnamedDevice:
+    """A producer that cannot name its device (as torch's meta tensors cannot) and whose __dlpack__ would order its
+    work on the legacy stream it is given."""
+
+    def __init__(self):
+        self.asked = []
+
+    def __dlpack_device__(self):
+        raise RuntimeError("this producer cannot name its device")
+
+    def __dlpack__(self, stream=None, max_version=None):
+        self.asked.append(stream)
+        raise BufferError("this producer has no data")
+
+
+def test_a_producer_that_cannot_name_its_device_is_not_asked_during_a_blocking_capture(cudart):
+    """While the legacy stream is unusable, a producer whose device is unknown is not asked for it (its work there
+    would invalidate the capture): its own error is raised. Outside a capture, its __dlpack__ decides."""
+    cuda_runtime_info()  # the runtime is loaded
+    producer = UnnamedDevice()
+    capture = cudart.begin_capture(BYSTANDER, 0, GLOBAL, blocking=True)
+    with pytest.raises(RuntimeError, match="cannot name its device"):
+        dlpack2cai(producer)
+    assert producer.asked == [] and cudart.end_capture(capture) and cudart.violations == 0
+    with pytest.raises(BufferError, match="has no data"):
+        dlpack2cai(producer)
+    assert producer.asked == [None]

@@ -87,8 +87,18 @@ static int violations;
 typedef struct {
     uintptr_t handle;
     int device;
-    pthread_t thread;
+    unsigned long long thread; /* the recording thread's serial: a thread id is reused once the thread exits */
 } stream_identity;
+
+/* A number for the calling thread that no other thread ever has. Lock held. */
+static unsigned long long thread_serial(void)
+{
+    static unsigned long long next = 1;
+    static __thread unsigned long long serial;
+    if (serial == 0)
+        serial = next++;
+    return serial;
+}
 static stream_identity event_stream[MAX_EVENTS];
 /* A graph's external wait: at each launch the graph waits on the event's latest record, so a later record
  * of that event on another stream than the one the capture waited for lets a replay run ahead of the work it
@@ -114,7 +124,7 @@ static void forget_external_waits(int event)
 static int same_stream(stream_identity a, stream_identity b)
 {
     return a.handle == b.handle && (a.handle > 2 || a.device == b.device) &&
-           (a.handle != 2 || pthread_equal(a.thread, b.thread));
+           (a.handle != 2 || a.thread == b.thread);
 }
 static __thread int thread_capture_mode = MODE_GLOBAL;
 
@@ -437,7 +447,7 @@ API cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
         code = last_error = 901;
     if (code == 0) {
         event_capture[id] = capture >= 0 ? captures[capture].id : 0;
-        stream_identity here = {(uintptr_t)stream, context_device, pthread_self()};
+        stream_identity here = {(uintptr_t)stream, context_device, thread_serial()};
         event_stream[id] = here;
         for (int i = 0; i < external_wait_count; i++) {
             if (external_waits[i].event == id && !same_stream(external_waits[i].source, here)) {
