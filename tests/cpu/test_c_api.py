@@ -7,7 +7,6 @@ import weakref
 
 import numpy as np
 import pytest
-import torch
 
 import cai_dlpack
 from cai_dlpack import DLPackShim, DLPackView, dlpack2cai
@@ -15,7 +14,7 @@ from support import c_example
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE
 
-tvm_ffi = pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi (a test extra) is not installed")
+from support.optional import needs_torch, needs_tvm_ffi, torch, tvm_ffi
 
 DTYPES = ["?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"]
 CODES = {"b": 6, "i": 0, "u": 1, "f": 2, "c": 5}
@@ -63,6 +62,7 @@ def test_read_only_is_reported(example):
     assert example.managed(x, -1)["flags"] & 1
 
 
+@needs_torch
 def test_dlpack_producers_and_views(example):
     t = torch.arange(12, dtype=torch.int32).reshape(3, 4)
     fields = example.managed(t, 1)
@@ -102,6 +102,7 @@ def test_errors(example):
         example.managed(CaiArray(np.zeros(2), typestr="<f16"), 1)
 
 
+@needs_torch
 def test_reference_counts_are_stable(example):
     x = np.arange(10.0)
     t = torch.arange(4.0)
@@ -151,6 +152,7 @@ class Spy(DLPackShim):
         raise AssertionError("tvm_ffi fell back to __dlpack__")
 
 
+@needs_tvm_ffi
 @pytest.mark.parametrize("dtype", ["f4", "f8", "i8", "u1", "?"])
 def test_tvm_ffi_takes_the_fast_path(dtype):
     Spy.calls = 0
@@ -162,6 +164,8 @@ def test_tvm_ffi_takes_the_fast_path(dtype):
     np.testing.assert_array_equal(y, x)
 
 
+@needs_torch
+@needs_tvm_ffi
 def test_tvm_ffi_function_arguments_and_results():
     echo = tvm_ffi.get_global_func("testing.echo")
     x = np.arange(6.0)
@@ -174,6 +178,7 @@ def test_tvm_ffi_function_arguments_and_results():
     assert np.from_dlpack(tvm_ffi.from_dlpack(view)).tolist() == [0, 1, 2, 3]
 
 
+@needs_tvm_ffi
 def test_no_sync_fast_path_still_orders_a_cai_producer_stream(cudart):
     """The consumer is told to work on the default stream: the producer's stream is ordered before it."""
     host = np.zeros(8, dtype=np.float32)
