@@ -11,6 +11,7 @@ import sys
 import sysconfig
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -227,33 +228,39 @@ def test_options_change_while_other_threads_convert(cudart):
 # ---- real threads against each shared structure, results checked (on 3.13t the GIL stays off throughout) ----
 
 class PerThreadInterface:
-    """An array interface that answers each thread with that thread's own array: a reading taken by one thread
-    and used by another would give the wrong values."""
+    """A CUDA array interface that answers each thread with that thread's own array (shape and memory): a reading
+    taken by one thread and used by another would describe the wrong memory."""
 
     def __init__(self):
         self.local = threading.local()
 
     @property
-    def __array_interface__(self):
-        return self.local.array.__array_interface__
+    def __cuda_array_interface__(self):
+        return self.local.array.__cuda_array_interface__
 
 
-def test_the_shims_pending_reading_is_used_only_by_the_thread_that_read_it():
-    """One shim, many threads: numpy.from_dlpack asks __dlpack_device__ (which reads and keeps the interface) then
-    __dlpack__ (which takes that reading). Each thread must get its own array, never another thread's reading."""
+def test_the_shims_pending_reading_is_used_only_by_the_thread_that_read_it(cudart):
+    """One shim, many threads, each asking __dlpack_device__ (which reads the interface and keeps the reading for
+    the next call) then __dlpack__ (which takes it), as consumers do. Each thread must get its own array, never
+    another thread's reading."""
+    hosts = [np.full(16 + i, i, dtype=np.float32) for i in range(THREADS)]
+    for host in hosts:
+        register(cudart, host, DEVICE)
     wrapped = PerThreadInterface()
     shim = DLPackShim(wrapped)
     seen = [[] for _ in range(THREADS)]
 
     def work(i):
-        wrapped.local.array = np.full(64, i, dtype=np.int32)
-        for _ in range(300):
-            got = np.from_dlpack(shim)
-            seen[i].append(got.__array_interface__["data"][0] == wrapped.local.array.__array_interface__["data"][0]
-                           and bool((got == i).all()))
+        wrapped.local.array = CaiArray(hosts[i])
+        for _ in range(400):
+            shim.__dlpack_device__()
+            time.sleep(0)  # a chance for another thread's __dlpack_device__ to come in between
+            got = dlpack2cai(shim.__dlpack__(stream=-1)).__cuda_array_interface__
+            seen[i].append((got["data"][0], got["shape"]) == (hosts[i].__array_interface__["data"][0], (16 + i,)))
 
     assert run_threads(work) == []
-    assert [len(s) for s in seen] == [300] * THREADS and all(all(s) for s in seen)
+    assert [len(s) for s in seen] == [400] * THREADS
+    assert [s.count(False) for s in seen] == [0] * THREADS
 
 
 def test_a_capsule_taken_by_two_threads_at_once_is_consumed_once():
