@@ -23,6 +23,16 @@ static int cdl_array_of(PyObject *obj, cdl_array *arr, PyObject **owner, PyObjec
     return cdl_array_from_object(*owner, shim ? cdl_shim_dtype((cdl_shim *)obj) : NULL, arr, keepalive);
 }
 
+/* Whether op dies when we drop our reference. Py_REFCNT is the whole count on every build: on free-threaded ones
+ * it adds the owning thread's local part and the shared part, leaving out the shared field's flags. It can be
+ * off only while another thread is changing the count, that is, while another thread holds op (then it is not
+ * ours alone). 3.14's PyUnstable_Object_IsUniquelyReferenced answers a stricter question (may a new reference
+ * appear?) and says no for any object a weakref points at, which here would lend a buffer about to be freed. */
+static int cdl_dies_with_our_reference(PyObject *op)
+{
+    return Py_REFCNT(op) == 1;
+}
+
 /* The borrowed path keeps nothing: drops keepalive (the memoryview of a buffer an array interface named),
  * refusing the tensor when that buffer would die with it. obj's own buffer lives as long as obj; a
  * buffer object its interface made for this one access (NumPy's protocol allows a fresh one each time)
@@ -34,13 +44,8 @@ static int cdl_release_borrowed_buffer(PyObject *owner, PyObject *keepalive)
         return 0;
     PyObject *exporter = Py_XNewRef(PyMemoryView_GET_BUFFER(keepalive)->obj);
     Py_DECREF(keepalive);
-    /* After the view is gone, a count of one is our own reference: nothing else holds the buffer. Without
-     * the GIL a count is only approximate (split between threads), so any buffer but obj's own is refused. */
-#ifdef Py_GIL_DISABLED
-    int dying = exporter != NULL && exporter != owner;
-#else
-    int dying = exporter != NULL && exporter != owner && Py_REFCNT(exporter) == 1;
-#endif
+    /* After the view is gone, a unique reference is our own: nothing else holds the buffer. */
+    int dying = exporter != NULL && exporter != owner && cdl_dies_with_our_reference(exporter);
     if (dying)
         PyErr_Format(PyExc_BufferError,
                      "the %.200s that %.200s's __array_interface__ 'data' names is held by nothing but this call, "

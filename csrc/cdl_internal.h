@@ -5,7 +5,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <dlpack/dlpack.h>
+#include <cai_dlpack/dlpack_abi.h> /* ours, or <dlpack/dlpack.h> when built with DLPACK_INCLUDE_DIR */
 #include <stdint.h>
 
 /* The most dimensions an array may have (NumPy's limit); keeps a record on the stack. */

@@ -1,22 +1,35 @@
 /* cai_dlpack C API: accept any GPU (or host) array in a C or C++ extension without a Python round trip.
  *
- *   #include <cai_dlpack/cai_dlpack.h>       // include path: Python's and cai_dlpack.get_include(), which
- *                                            // also holds the dlpack/dlpack.h (>= 1.1) the module was built with
+ *   #include <cai_dlpack/cai_dlpack.h>       // include path: Python's and cai_dlpack.get_include(); the DLPack
+ *                                            // types come with it (dlpack_abi.h; see there for mixing it
+ *                                            // with an upstream dlpack/dlpack.h, in either order)
  *   const cai_dlpack_api *api = cai_dlpack_import();   // once, e.g. in your module init; NULL + exception
  *   DLTensor t; int64_t shape[CAI_DLPACK_MAX_NDIM], strides[CAI_DLPACK_MAX_NDIM];
  *   if (api->fill_tensor(obj, stream, &t, shape, strides, CAI_DLPACK_MAX_NDIM, NULL) < 0) return NULL;
  *   launch_kernel(t.data, ...);
  *
  * Every call returns 0 (or a pointer), or -1 (or NULL) with a Python exception set, and must be made
- * with the GIL held. Stream values follow the array API: 1 is the legacy default stream, 2 the
+ * with the GIL held (on a free-threaded build: from a thread attached to the interpreter, as any C API
+ * call). Stream values follow the array API: 1 is the legacy default stream, 2 the
  * per-thread default stream, any other positive value a cudaStream_t, -1 "no ordering, the caller takes
  * care of it". When the producer names a stream (the CAI 'stream' entry), cai_dlpack orders it before
- * the consumer stream on the device (an event, the host never waits). */
+ * the consumer stream on the device (an event, the host never waits).
+ *
+ * Free-threaded CPython (3.13t, 3.14t): every call of this table may be made from many threads at once,
+ * and cai_dlpack's own module runs without the GIL. Your module must say so too, or importing it turns
+ * the GIL back on for the whole process (with a RuntimeWarning). Single-phase init (PyModule_Create):
+ *       PyObject *m = PyModule_Create(&def);
+ *   #ifdef Py_GIL_DISABLED
+ *       if (m != NULL && PyUnstable_Module_SetGIL(m, Py_MOD_GIL_NOT_USED) < 0) { Py_DECREF(m); return NULL; }
+ *   #endif
+ * Multi-phase init (PyModuleDef_Init): a {Py_mod_gil, Py_MOD_GIL_NOT_USED} slot, under
+ * #if PY_VERSION_HEX >= 0x030D0000 (3.13 added it). Only declare it once your own code is safe without the
+ * GIL; tests/c_api_example/example.c shows the single-phase form. */
 #ifndef CAI_DLPACK_H
 #define CAI_DLPACK_H
 
 #include <Python.h>
-#include <dlpack/dlpack.h>
+#include "dlpack_abi.h"
 #include <stdint.h>
 
 #ifdef __cplusplus

@@ -221,5 +221,14 @@ PyMODINIT_FUNC PyInit_cai_dlpack_example(void)
     api = cai_dlpack_import();
     if (api == NULL)
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *created = PyModule_Create(&module);
+#ifdef Py_GIL_DISABLED
+    /* Safe without the GIL: api is written once, here, and the functions keep no state of their own.
+     * Without this line, importing the module turns the GIL back on for the whole process. */
+    if (created != NULL && PyUnstable_Module_SetGIL(created, Py_MOD_GIL_NOT_USED) < 0) {
+        Py_DECREF(created);
+        return NULL;
+    }
+#endif
+    return created;
 }

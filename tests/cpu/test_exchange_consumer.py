@@ -6,12 +6,12 @@ import gc
 
 import numpy as np
 import pytest
-import torch
 
 from cai_dlpack import DLPackShim, UnsupportedArrayError, dlpack2cai, options
 from support import c_example
 from support.cai_objects import register
 from support.cuda_double import DEVICE
+from support.optional import needs_torch, torch
 
 KDLCPU, KDLCUDA = 1, 2
 S1, S2 = 0x5000, 0x6000
@@ -48,13 +48,14 @@ def ordering(cudart):
 
 # ---- which path is taken ---------------------------------------------------------------------------------
 
-class SpyTensor(torch.Tensor):
+class SpyTensor(torch.Tensor if torch is not None else object):
     """A torch.Tensor whose __dlpack__ must not be called: only the table can give its tensor."""
 
     def __dlpack__(self, *args, **kwargs):
         raise AssertionError("__dlpack__ was called although the type publishes an exchange table")
 
 
+@needs_torch
 def test_a_torch_tensor_is_taken_through_its_table(example):
     t = torch.arange(12.0).reshape(3, 4)[:, 1:]
     spy = t.as_subclass(SpyTensor)
@@ -130,6 +131,7 @@ def test_the_c_api_falls_back_the_same_way(producer, example):
 
 # ---- what __dlpack__ refuses and a table exports anyway ---------------------------------------------------
 
+@needs_torch
 def test_torch_refusals_keep_torch_words():
     c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
     cases = [(c.conj(), "conjugate bit"), (torch.ones(2, requires_grad=True), "require gradient"),
@@ -141,6 +143,7 @@ def test_torch_refusals_keep_torch_words():
     np.testing.assert_array_equal(np.asarray(dlpack2cai(c.conj().resolve_conj())), [1 - 2j, 3 + 4j])
 
 
+@needs_torch
 def test_a_negative_bit_is_refused_not_handed_on_wrong(example):
     c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
     negated = c.conj().imag  # [-2, 4], stored as [2, -4] with torch's negative bit

@@ -11,6 +11,7 @@ import sys
 import sysconfig
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -258,3 +259,119 @@ def test_a_descr_list_changed_by_another_thread_is_read_whole():
 
     assert run_threads(work, 4) == []
     assert outcomes["named"] > 0
+
+
+# ---- real threads against each shared structure, results checked (on 3.13t the GIL stays off throughout) ----
+
+class PerThreadInterface:
+    """A CUDA array interface that answers each thread with that thread's own array (shape and memory): a reading
+    taken by one thread and used by another would describe the wrong memory."""
+
+    def __init__(self):
+        self.local = threading.local()
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.local.array.__cuda_array_interface__
+
+
+def test_the_shims_pending_reading_is_used_only_by_the_thread_that_read_it(cudart):
+    """One shim, many threads, each asking __dlpack_device__ (which reads the interface and keeps the reading for
+    the next call) then __dlpack__ (which takes it), as consumers do. Each thread must get its own array, never
+    another thread's reading."""
+    hosts = [np.full(16 + i, i, dtype=np.float32) for i in range(THREADS)]
+    for host in hosts:
+        register(cudart, host, DEVICE)
+    wrapped = PerThreadInterface()
+    shim = DLPackShim(wrapped)
+    seen = [[] for _ in range(THREADS)]
+
+    def work(i):
+        wrapped.local.array = CaiArray(hosts[i])
+        for _ in range(400):
+            shim.__dlpack_device__()
+            time.sleep(0)  # a chance for another thread's __dlpack_device__ to come in between
+            got = dlpack2cai(shim.__dlpack__(stream=-1)).__cuda_array_interface__
+            seen[i].append((got["data"][0], got["shape"]) == (hosts[i].__array_interface__["data"][0], (16 + i,)))
+
+    assert run_threads(work) == []
+    assert [len(s) for s in seen] == [400] * THREADS
+    assert [s.count(False) for s in seen] == [0] * THREADS
+
+
+def test_a_capsule_taken_by_two_threads_at_once_is_consumed_once():
+    """Two threads race to consume each capsule: one gets the view, the other a BufferError for a used capsule;
+    the owner's reference is released exactly once."""
+    owner = np.arange(16.0)
+    base = sys.getrefcount(owner)
+    rounds = 300
+    capsules = [cai2dlpack(owner, max_version=(1, 0)) for _ in range(rounds)]
+    barrier = threading.Barrier(2)
+    won = [[0] * rounds, [0] * rounds]
+    refused = [0, 0]
+
+    def work(i):
+        for k, capsule in enumerate(capsules):
+            barrier.wait()
+            try:
+                view = dlpack2cai(capsule)
+            except BufferError as error:
+                assert "used" in str(error) or "consumed" in str(error), error
+                refused[i] += 1
+            else:
+                assert np.asarray(view)[5] == 5.0
+                won[i][k] = 1
+                del view
+
+    assert run_threads(work, count=2) == []
+    assert [a + b for a, b in zip(*won)] == [1] * rounds and sum(refused) == rounds
+    del capsules
+    assert sys.getrefcount(owner) == base
+
+
+def test_the_exchange_api_called_from_many_threads():
+    """Every call of our DLPack C exchange table, from many threads at once through a consumer extension: each
+    thread's DLTensor, owning tensor and allocation describe its own data."""
+    from support import c_example
+    example = c_example.build()
+    arrays = [np.arange(8 * i, 8 * i + 24, dtype=np.float64).reshape(3, 8) for i in range(THREADS)]
+
+    def work(i):
+        x = arrays[i]
+        for round in range(200):
+            fields = example.exchange_dltensor(DLPackShim(x))
+            assert fields["data"] == x.__array_interface__["data"][0] and fields["shape"] == (3, 8)
+            assert example.managed(x, -1)["data"] == x.__array_interface__["data"][0]
+            made = example.exchange_allocate(DLPackShim, (2, 32), (i + 1, 2), (1, 0))
+            assert np.asarray(made).shape == (i + 1, 2)
+            assert example.sum_float64(x) == x.sum()
+
+    assert run_threads(work) == []
+
+
+def test_deleters_of_one_export_run_on_foreign_threads_while_others_convert(cudart):
+    """Owning tensors made on one thread are freed on others (a framework's own threads), with the GIL released,
+    while more are made: each owner is released exactly when its last tensor goes."""
+    owners = [np.arange(32.0) + i for i in range(THREADS)]
+    bases = [sys.getrefcount(o) for o in owners]
+    _api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    made = [[] for _ in range(THREADS)]
+
+    def work(i):
+        for round in range(100):
+            capsule = cai2dlpack(owners[i], max_version=(1, 0))
+            address = _api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+            _api.PyCapsule_SetName(capsule, b"used_dltensor_versioned")
+            made[(i + 1) % THREADS].append(address)  # freed by the next thread
+            del capsule
+            while made[i]:
+                managed = DLManagedTensorVersioned.from_address(made[i].pop())
+                assert managed.dl_tensor.shape[0] == 32
+                managed.deleter(ctypes.pointer(managed))
+
+    assert run_threads(work) == []
+    for i in range(THREADS):  # what the last rounds handed on
+        while made[i]:
+            managed = DLManagedTensorVersioned.from_address(made[i].pop())
+            managed.deleter(ctypes.pointer(managed))
+    assert [sys.getrefcount(o) for o in owners] == bases

@@ -1,10 +1,10 @@
 """The converters against real third-party peers on host memory: NumPy and PyTorch (CPU)."""
 import numpy as np
 import pytest
-import torch
 
 import cai_dlpack
 from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai
+from support.optional import needs_torch, torch
 
 DTYPES = ["?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"]
 TORCH_DTYPES = [d for d in DTYPES if d not in ("u2", "u4", "u8")]  # torch's DLPack import refuses these
@@ -53,6 +53,7 @@ def test_numpy_through_shim_into_numpy(dtype, layout):
 TORCH_LAYOUTS = [name for name in layouts("f4") if name != "negative"]
 
 
+@needs_torch
 @pytest.mark.parametrize("dtype", TORCH_DTYPES)
 @pytest.mark.parametrize("layout", TORCH_LAYOUTS)
 def test_numpy_through_shim_into_torch(dtype, layout):
@@ -65,6 +66,7 @@ def test_numpy_through_shim_into_torch(dtype, layout):
         assert tuple(s * x.itemsize for s in t.stride()) == x.strides or x.size <= 1
 
 
+@needs_torch
 def test_writes_are_visible_both_ways():
     x = np.zeros((4, 5), dtype=np.float32)[:, 1:]
     t = torch.from_dlpack(DLPackShim(x))
@@ -96,6 +98,7 @@ def test_read_only_array_refuses_legacy_capsule():
     assert cai2dlpack(x, max_version=(1, 0)) is not None
 
 
+@needs_torch
 @pytest.mark.parametrize("dtype", TORCH_DTYPES)
 def test_torch_tensor_through_dlpack2cai_into_numpy(dtype):
     x = sample(dtype, (5, 6))
@@ -109,6 +112,7 @@ def test_torch_tensor_through_dlpack2cai_into_numpy(dtype):
     assert t[0, 0].item() == t[1, 1].item()
 
 
+@needs_torch
 def test_torch_capsule_legacy_and_versioned():
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     for capsule in (t.__dlpack__(), t.__dlpack__(max_version=(1, 0))):
@@ -126,6 +130,7 @@ def test_view_has_no_cai_for_host_memory():
     assert iface["version"] == 3 and "stream" not in iface
 
 
+@needs_torch
 def test_view_hands_on_through_dlpack():
     x = np.arange(10, dtype=np.int32)[::3]
     view = dlpack2cai(x)

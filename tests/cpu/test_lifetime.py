@@ -3,17 +3,18 @@ import ctypes
 import gc
 import os
 import sys
+import sysconfig
 import tracemalloc
 import weakref
 
 import numpy as np
 import pytest
-import torch
 
 from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE
 from support.dlpack_ctypes import DLManagedTensorVersioned, MadeTensor, _api
+from support.optional import TORCH_MISSING, needs_torch, torch
 
 
 class HostOwner:
@@ -53,6 +54,7 @@ def test_view_keeps_owner_until_released():
     assert ref() is None
 
 
+@needs_torch
 def test_torch_tensor_keeps_owner():
     owner = HostOwner()
     ref = weakref.ref(owner)
@@ -65,6 +67,7 @@ def test_torch_tensor_keeps_owner():
     assert ref() is None
 
 
+@needs_torch
 def test_torch_tensor_through_view_is_deleted_once():
     tensor = torch.arange(10.0)
     base_refs = sys.getrefcount(tensor)
@@ -116,6 +119,7 @@ def test_deleter_runs_on_a_thread_without_the_gil(cudart):
 
 # ---- leaks ------------------------------------------------------------------------------------------
 
+FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
 # 5,000 in CI; CAI_DLPACK_LEAK_ITERATIONS=100000 for the long run by hand.
 ITERATIONS = int(os.environ.get("CAI_DLPACK_LEAK_ITERATIONS", "5000"))
@@ -131,7 +135,7 @@ def paths(cudart):
     register(cudart, host, DEVICE, device=1)
     device = CaiArray(host[::2], stream=0x5000)
     host_owner = HostOwner()
-    tensor = torch.arange(16.0)
+    tensor = torch.arange(16.0) if torch is not None else None
 
     def expect(error, call, *args, **kwargs):
         def run():
@@ -226,22 +230,31 @@ PATH_NAMES = [
 @pytest.mark.parametrize("label", PATH_NAMES)
 def test_no_growth_over_many_conversions(cudart, label):
     """Reference counts, traced memory and resident size stay flat over many conversions of every path."""
+    if torch is None and "torch" in label:
+        pytest.skip(TORCH_MISSING)
     run = paths(cudart)[label]
+    # Tracing starts before the warm-up: what the first traced rounds keep for good (caches, pools, and on
+    # free-threaded builds the collector's own state from its first traced collection) is in the baseline.
+    tracemalloc.start()
     for _ in range(200):  # warm caches, pools and allocators
         run()
     gc.collect()
-    tracemalloc.start()
-    rss_before = resident_bytes()
-    traced_before = tracemalloc.get_traced_memory()[0]
-    refs_before = sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
-    for _ in range(ITERATIONS):
-        run()
-    gc.collect()
-    traced_growth = tracemalloc.get_traced_memory()[0] - traced_before
+    # A leak grows in every round. On free-threaded builds memory is also freed late (ctypes' objects among
+    # others; live objects flat): the traced total then swings by hundreds of KiB from round to round, up and
+    # down. There a leak is growth in each of three rounds; with the GIL, growth in the one round.
+    growth = []
+    for _ in range(3 if FREE_THREADED else 1):
+        rss_before = resident_bytes()
+        traced_before = tracemalloc.get_traced_memory()[0]
+        refs_before = sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
+        for _ in range(ITERATIONS):
+            run()
+        gc.collect()
+        growth.append(tracemalloc.get_traced_memory()[0] - traced_before)
+        rss_growth = resident_bytes() - rss_before
+        refs_after = sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
     tracemalloc.stop()
-    rss_growth = resident_bytes() - rss_before
-    refs_after = sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
-    assert traced_growth < 4096, (label, traced_growth)
+    assert min(growth) < 4096, (label, growth)
     if not UNDER_ASAN:  # ASan's quarantine keeps freed blocks resident on purpose
         assert rss_growth < 1 << 20, (label, rss_growth)
     assert all(abs(a - b) < 50 for a, b in zip(refs_before, refs_after)), (label, refs_before, refs_after)

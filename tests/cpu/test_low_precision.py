@@ -3,10 +3,11 @@ reinterprets with ml_dtypes, and back into torch with the exact type, bit for bi
 ml_dtypes arrays into torch; dtype= for what a typestr cannot name; the same through the C doors."""
 import numpy as np
 import pytest
-import torch
-
 from cai_dlpack import DLPackShim, UnsupportedArrayError, cai2dlpack, dlpack2cai
 from support import c_example
+from support.optional import TORCH_MISSING
+
+torch = pytest.importorskip("torch", reason=TORCH_MISSING)
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes (a test extra) is not installed")
 

@@ -43,17 +43,19 @@ def test_one_version():
 def test_the_headers_ship_inside_the_package():
     include = cai_dlpack.get_include()
     assert os.path.dirname(include) == PACKAGE
-    with open(os.path.join(include, "dlpack", "dlpack.h")) as file:
+    assert sorted(os.listdir(include)) == ["cai_dlpack"]  # no dlpack/dlpack.h: the DLPack types are declared by us
+    with open(os.path.join(include, "cai_dlpack", "dlpack_abi.h")) as file:
         dlpack_header = file.read()
     major = re.search(r"^#define DLPACK_MAJOR_VERSION (\d+)", dlpack_header, re.MULTILINE).group(1)
     minor = re.search(r"^#define DLPACK_MINOR_VERSION (\d+)", dlpack_header, re.MULTILINE).group(1)
-    assert (int(major), int(minor)) == cai_dlpack.DLPACK_VERSION  # the header the module was built with
-    with open(os.path.join(include, "cai_dlpack", "cai_dlpack.h"), "rb") as file:
-        installed = file.read()
-    source = os.path.join(SOURCE_TREE, "include", "cai_dlpack", "cai_dlpack.h")
-    if os.path.exists(source):
-        with open(source, "rb") as file:
-            assert installed == file.read()
+    assert (int(major), int(minor)) == cai_dlpack.DLPACK_VERSION  # the declarations the module was built with
+    for name in ("cai_dlpack.h", "dlpack_abi.h"):
+        with open(os.path.join(include, "cai_dlpack", name), "rb") as file:
+            installed = file.read()
+        source = os.path.join(SOURCE_TREE, "include", "cai_dlpack", name)
+        if os.path.exists(source):
+            with open(source, "rb") as file:
+                assert installed == file.read()
 
 
 def test_an_extension_built_against_the_installed_package():
@@ -101,7 +103,14 @@ static PyModuleDef definition = {PyModuleDef_HEAD_INIT, "cxx_example", nullptr, 
 PyMODINIT_FUNC PyInit_cxx_example(void)
 {
     api = cai_dlpack_import();
-    return api ? PyModule_Create(&definition) : nullptr;
+    PyObject *module = api ? PyModule_Create(&definition) : nullptr;
+#ifdef Py_GIL_DISABLED
+    if (module != nullptr && PyUnstable_Module_SetGIL(module, Py_MOD_GIL_NOT_USED) < 0) {
+        Py_DECREF(module);
+        return nullptr;
+    }
+#endif
+    return module;
 }
 """
 

@@ -7,11 +7,13 @@ import textwrap
 import threading
 
 import numpy as np
-import torch
-
+import pytest
 from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE
+from support.optional import TORCH_MISSING
+
+torch = pytest.importorskip("torch", reason=TORCH_MISSING)
 
 
 def test_eight_threads_convert_the_same_object(cudart):

@@ -8,10 +8,10 @@ import zlib
 
 import numpy as np
 import pytest
-import torch
 
 from cai_dlpack import cai2dlpack, dlpack2cai
 from support.dlpack_ctypes import MadeTensor, kDLCPU, kDLCUDA, kDLFloat
+from support.optional import needs_torch, torch
 from test_host_peers import DTYPES, layouts
 
 _testbuffer = pytest.importorskip("_testbuffer", reason="this CPython build has no _testbuffer module")
@@ -46,6 +46,7 @@ def test_memoryview_and_numpy_read_the_tensor(dtype, layout):
     assert through_numpy.flags.writeable == array.flags.writeable
 
 
+@needs_torch
 def test_writes_through_the_buffer_reach_the_producer():
     t = torch.zeros(3, 4)
     a = np.asarray(dlpack2cai(t))
@@ -93,6 +94,7 @@ def test_simple_consumer_gets_the_bytes():
         zlib.crc32(view_of(array[:, ::2]))
 
 
+@needs_torch
 def test_export_keeps_the_tensor_alive():
     t = torch.arange(4.0)
     made = MadeTensor(data=t.data_ptr(), shape=(4,))

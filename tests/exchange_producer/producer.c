@@ -4,7 +4,8 @@
  * the test names. Built by the tests (tests/support/c_example.py), never shipped. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <dlpack/dlpack.h>
+#include <cai_dlpack/dlpack_abi.h> /* the DLPack declarations cai_dlpack ships (any dlpack.h >= 1.2 would do) */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,8 +22,10 @@ static long long work_stream;          /* what current_work_stream reports, as a
 static int work_stream_fails;          /* current_work_stream: -1 with RuntimeError */
 static int from_object_fails;          /* 0: no; 1: BufferError; 2: RuntimeError; 3: -1 with no exception */
 static int dlpack_refuses;             /* __dlpack__: BufferError in its own words */
-static long from_object_calls, dltensor_calls, work_stream_calls, dlpack_calls, deleter_calls;
-static DLDevice work_stream_device;
+/* The table is called from many threads at once without the GIL (free-threaded builds): the counts and the
+ * last device asked for are atomic; the knobs are set by configure() while no other thread calls. */
+static atomic_long from_object_calls, dltensor_calls, work_stream_calls, dlpack_calls, deleter_calls;
+static atomic_int work_stream_device_type, work_stream_device_id;
 
 static int dtype_of(const char *format, Py_ssize_t itemsize, DLDataType *out)
 {
@@ -156,8 +159,8 @@ static int table_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
 static int table_work_stream(DLDeviceType device_type, int32_t device_id, void **out)
 {
     work_stream_calls++;
-    work_stream_device.device_type = device_type;
-    work_stream_device.device_id = device_id;
+    work_stream_device_type = (int)device_type;
+    work_stream_device_id = device_id;
     if (work_stream_fails) {
         PyErr_SetString(PyExc_RuntimeError, "the producer has no work stream");
         return -1;
@@ -256,10 +259,10 @@ static PyObject *counts(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    return Py_BuildValue("{s:l, s:l, s:l, s:l, s:l, s:(ii)}", "from_object", from_object_calls, "dltensor",
-                         dltensor_calls, "work_stream", work_stream_calls, "dlpack", dlpack_calls, "deleter",
-                         deleter_calls, "work_stream_device", (int)work_stream_device.device_type,
-                         (int)work_stream_device.device_id);
+    return Py_BuildValue("{s:l, s:l, s:l, s:l, s:l, s:(ii)}", "from_object", (long)from_object_calls, "dltensor",
+                         (long)dltensor_calls, "work_stream", (long)work_stream_calls, "dlpack", (long)dlpack_calls,
+                         "deleter", (long)deleter_calls, "work_stream_device", (int)work_stream_device_type,
+                         (int)work_stream_device_id);
 }
 
 static PyMethodDef methods[] = {
@@ -297,5 +300,11 @@ PyMODINIT_FUNC PyInit_exchange_producer(void)
         Py_XDECREF(module);
         return NULL;
     }
+#ifdef Py_GIL_DISABLED
+    if (PyUnstable_Module_SetGIL(module, Py_MOD_GIL_NOT_USED) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+#endif
     return module;
 }
