@@ -351,10 +351,29 @@ def test_view_from_managed_tensor_answers_as_dlpack2cai(ndim, code, bits, lanes,
         assert tensor.deleted == 1
         return answer
 
+    def pointer(t):
+        return ctypes.cast(ctypes.pointer(t.managed), doors.ManagedPointer)
+
     by_capsule = answer(lambda t: dlpack2cai(t.capsule, stream=stream), made())
-    by_door = answer(lambda t: doors.view_from_managed_tensor(
-        ctypes.cast(ctypes.pointer(t.managed), doors.ManagedPointer), stream), made())
-    assert by_door == by_capsule
+    assert answer(lambda t: doors.view_from_managed_tensor(pointer(t), stream), made()) == by_capsule
+    # The exchange API's managed_tensor_to_py_object_no_sync: the same view, ready on the legacy stream.
+    assert answer(lambda t: doors.object_from_managed(pointer(t)), made()) == by_capsule
+
+
+@FUZZ
+@given(device_type=st.one_of(st.sampled_from([1, 2, 3, 13]), st.integers(-(2**31), 2**31 - 1)),
+       device_id=st.one_of(st.integers(-1, 5), st.integers(-(2**31), 2**31 - 1)))
+def test_exchange_work_stream_of_any_device(cudart, device_type, device_id):
+    """current_work_stream for any device: the stream to launch on (0, the default stream, for every device this
+    producer has), or an exception, never a failure without one; the caller's device is left as it was."""
+    cudart.reset()
+    try:
+        stream = doors.current_work_stream(device_type, device_id)
+    except (ValueError, TypeError, BufferError, RuntimeError) as error:
+        assert str(error), error
+    else:
+        assert stream == 0
+    assert cudart.current_device == 0
 
 
 @pytest.mark.parametrize("kind", ["views", "shims", "bare dicts"])

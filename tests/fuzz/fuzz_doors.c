@@ -120,7 +120,6 @@ static void fuzz_allocator(cdl_input *in)
     if (status != 0) {
         if (set_error_calls != 1)
             __builtin_trap();
-#ifndef CDL_FUZZ_LENIENT_ALLOCATOR /* -D it to fuzz on past the two checks below while they fail */
         /* A host tensor that could exist but whose bytes cannot be had is a MemoryError. */
         if (valid && !strides_overflow && !empty && !count_overflow && prototype.device.device_type == kDLCPU &&
             strcmp(set_error_kind, "MemoryError") != 0)
@@ -128,12 +127,8 @@ static void fuzz_allocator(cdl_input *in)
         /* An empty tensor whose strides fit has no bytes to allocate: always made (on the host here). */
         if (empty && !strides_overflow && prototype.device.device_type == kDLCPU)
             __builtin_trap();
-#endif
         return;
     }
-#ifdef CDL_FUZZ_LENIENT_ALLOCATOR
-    strides_overflow &= !empty;
-#endif
     if (!valid || strides_overflow || (count_overflow && !empty))
         __builtin_trap(); /* no tensor has this prototype */
     if (set_error_calls != 0 || out == NULL || out->dl_tensor.ndim != prototype.ndim || out->dl_tensor.data == NULL ||

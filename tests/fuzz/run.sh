@@ -4,7 +4,7 @@
 # tests/fuzz/corpus, fuzz_doors.c (the C API and the exchange API) on tests/fuzz/corpus_doors, with the CUDA
 # runtime double answering for device memory. The build requirements come from BUILD_DEPS, the current python
 # or a cache it fills once (tests/support/build_requirements.sh says which).
-# Usage: bash tests/fuzz/run.sh [seconds] [interface|doors]; CFLAGS are added to the target's compilation.
+# Usage: bash tests/fuzz/run.sh [seconds] [interface|doors]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 seconds=${1:-60}
@@ -32,7 +32,7 @@ cudart_major=$(awk '/^#define CUDART_VERSION/ {print int($3 / 1000); exit}' "$cu
 pylib=$("$python" -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
 pyver=$("$python" -c "import sysconfig; print(sysconfig.get_config_var('LDVERSION'))")
 mkdir -p build/fuzz "build/fuzz/corpus_$target"
-"$clang" -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -DCDL_CUDART_HEADER_MAJOR="$cudart_major" ${CFLAGS:-} \
+"$clang" -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -DCDL_CUDART_HEADER_MAJOR="$cudart_major" \
   -I csrc -I include -isystem "$dlpack" -isystem "$cuda" -I "$pyinc" \
   "tests/fuzz/fuzz_$target.c" csrc/*.c -L "$pylib" -Wl,-rpath,"$pylib" -l"python$pyver" -ldl -lm \
   -o "build/fuzz/fuzz_$target" >build/fuzz/build.log 2>&1 || {
