@@ -24,7 +24,6 @@ pyinc=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['include'])"
   missing "$python has no Python.h to build against (Debian: apt-get install python3-dev)"
 find_build_requirements
 run_python() { PYTHONPATH="${build_deps}${PYTHONPATH:+:$PYTHONPATH}" "$python" -c "$1"; }
-dlpack=$(run_python "import tvm_ffi.libinfo as l; print(l.find_dlpack_include_path())")
 cuda=$(run_python "import nvidia, os
 print(next(d for p in nvidia.__path__ for d in (os.path.join(p, s, 'include') for s in ('cu13', 'cuda_runtime'))
            if os.path.exists(os.path.join(d, 'cuda_runtime_api.h'))))")
@@ -33,7 +32,7 @@ pylib=$("$python" -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR')
 pyver=$("$python" -c "import sysconfig; print(sysconfig.get_config_var('LDVERSION'))")
 mkdir -p build/fuzz "build/fuzz/corpus_$target"
 "$clang" -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -DCDL_CUDART_HEADER_MAJOR="$cudart_major" \
-  -I csrc -I include -isystem "$dlpack" -isystem "$cuda" -I "$pyinc" \
+  -I csrc -I include -isystem "$cuda" -I "$pyinc" \
   "tests/fuzz/fuzz_$target.c" csrc/*.c -L "$pylib" -Wl,-rpath,"$pylib" -l"python$pyver" -ldl -lm \
   -o "build/fuzz/fuzz_$target" >build/fuzz/build.log 2>&1 || {
     if grep -q "clang_rt.fuzzer" build/fuzz/build.log; then

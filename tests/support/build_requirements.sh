@@ -1,6 +1,6 @@
 # Sourced by the hardening scripts (tests/run_sanitized.sh, tests/fuzz/run.sh) once they are in the
-# repository root with $python set. The build requirements of pyproject.toml (apache-tvm-ffi for dlpack.h,
-# nvidia-cuda-runtime and nvidia-cuda-crt for the CUDA Runtime API headers) come from the folder named by
+# repository root with $python set. The build requirements of pyproject.toml (nvidia-cuda-runtime and
+# nvidia-cuda-crt for the CUDA Runtime API headers; the DLPack ABI is our own header) come from the folder named by
 # BUILD_DEPS (pip install --target DIR ...), else from $python when it has them, else they are installed
 # once into build/build-deps-<python version>/, which git ignores.
 
@@ -13,8 +13,7 @@ missing() {
 # Whether $python, with folder $1 (or nothing) first on its path, finds what CMakeLists.txt looks for.
 has_build_requirements() {
   PYTHONPATH="$1${PYTHONPATH:+:$PYTHONPATH}" "$python" -c "
-import os, nvidia, tvm_ffi.libinfo
-tvm_ffi.libinfo.find_dlpack_include_path()
+import os, nvidia
 assert any(os.path.exists(os.path.join(p, s, 'include', 'crt', 'host_defines.h'))
            for p in nvidia.__path__ for s in ('cu13', 'cuda_runtime'))" 2>/dev/null
 }
@@ -30,7 +29,7 @@ find_build_requirements() {
     return 0
   fi
   build_deps="$PWD/build/build-deps-$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
-  local needed=(apache-tvm-ffi nvidia-cuda-runtime nvidia-cuda-crt $want_cmake)
+  local needed=(nvidia-cuda-runtime nvidia-cuda-crt $want_cmake)
   if ! has_build_requirements "$build_deps" ||
      { [ -n "$want_cmake" ] && [ ! -x "$build_deps/cmake/data/bin/cmake" ]; }; then
     echo "$0: installing the build requirements (${needed[*]}) into $build_deps"
