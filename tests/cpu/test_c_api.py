@@ -339,17 +339,17 @@ def test_view_from_managed_tensor_takes_the_array_api_streams(example, stream):
     assert view.shape == (6,) and np.asarray(view).sum() == 15.0
 
 
-class Reshaping(torch.Tensor):
-    """A tensor whose checks (run between the exchange table lending its DLTensor and our reading of it) change
-    the tensor's own shape and strides, which the lent DLTensor points into."""
-
-    def is_neg(self):
-        with torch.no_grad():
-            self.set_(torch.zeros(7, dtype=self.dtype))
-        return False
-
-
+@needs_torch
 def test_fill_tensor_reads_the_lent_tensor_before_running_python(example):
+    class Reshaping(torch.Tensor):
+        """A tensor whose checks (run between the exchange table lending its DLTensor and our reading of it) change
+        the tensor's own shape and strides, which the lent DLTensor points into."""
+
+        def is_neg(self):
+            with torch.no_grad():
+                self.set_(torch.zeros(7, dtype=self.dtype))
+            return False
+
     base = torch.arange(12.0).reshape(3, 4)
     keep = base.clone()
     tensor = base.as_subclass(Reshaping)
