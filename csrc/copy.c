@@ -148,27 +148,6 @@ static cudaError_t cdl_issue_copies(const cdl_cudart *rt, char *destination, con
     return code;
 }
 
-/* The calling thread in relaxed capture mode around an allocation or free (as exchange_alloc.c does): they are
- * made at once, never as a node of a capture, and must not invalidate one. previous < 0: nothing switched. */
-static int cdl_relax_capture_mode(const cdl_cudart *rt)
-{
-    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    if (rt->thread_exchange_stream_capture_mode == NULL)
-        return -1;
-    if (rt->thread_exchange_stream_capture_mode(&mode) != cudaSuccess) {
-        (void)rt->get_last_error();
-        return -1;
-    }
-    return (int)mode;
-}
-
-static void cdl_restore_capture_mode(const cdl_cudart *rt, int previous)
-{
-    enum cudaStreamCaptureMode mode = (enum cudaStreamCaptureMode)previous;
-    if (previous >= 0 && rt->thread_exchange_stream_capture_mode(&mode) != cudaSuccess)
-        (void)rt->get_last_error();
-}
-
 /* cdl_data_release of our copies: host copies are malloc'd, CUDA ones freed in their device's context. */
 static void cdl_release_copy(void *data, DLDevice device)
 {
@@ -179,7 +158,8 @@ static void cdl_release_copy(void *data, DLDevice device)
     const cdl_cudart *rt = cdl_cudart_loaded(); /* it made the copy, and a runtime is never unloaded */
     if (rt == NULL)
         return;
-    int previous = cdl_relax_capture_mode(rt);
+    cdl_capture_mode_scope relaxed; /* a free is made at once, never a node of a capture, and must not break one */
+    cdl_capture_mode_relax(rt, &relaxed);
     cdl_device_scope scope;
     int entered = device.device_type == kDLCUDA && cdl_device_enter(rt, device.device_id, &scope) == 0;
     cudaError_t code = device.device_type == kDLCUDAHost ? rt->free_host(data) : rt->free(data);
@@ -187,7 +167,7 @@ static void cdl_release_copy(void *data, DLDevice device)
         (void)rt->get_last_error(); /* at exit the runtime may already be unloading */
     if (entered)
         (void)cdl_device_leave(rt, &scope);
-    cdl_restore_capture_mode(rt, previous);
+    cdl_capture_mode_leave(rt, &relaxed);
 }
 
 /* The stream a host copy is issued on and waited for: the producer's, which orders it after the producer's
@@ -276,13 +256,14 @@ static int cdl_copy_to_host(const cdl_array *arr, const cdl_copy_layout *layout,
 /* A new allocation like the source's memory (device, pinned or managed), made in relaxed capture mode. */
 static int cdl_allocate_like(const cdl_cudart *rt, DLDevice device, size_t size, void **out)
 {
-    int previous = cdl_relax_capture_mode(rt);
+    cdl_capture_mode_scope relaxed;
+    cdl_capture_mode_relax(rt, &relaxed);
     const char *call = device.device_type == kDLCUDAHost ? "cudaMallocHost"
                        : device.device_type == kDLCUDAManaged ? "cudaMallocManaged" : "cudaMalloc";
     cudaError_t code = device.device_type == kDLCUDAHost      ? rt->malloc_host(out, size)
                        : device.device_type == kDLCUDAManaged ? rt->malloc_managed(out, size, cudaMemAttachGlobal)
                                                               : rt->malloc(out, size);
-    cdl_restore_capture_mode(rt, previous);
+    cdl_capture_mode_leave(rt, &relaxed);
     return code == cudaSuccess ? 0 : cdl_raise_cuda_error(call, code);
 }
 

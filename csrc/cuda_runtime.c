@@ -561,3 +561,24 @@ PyObject *cdl_cuda_runtime_info(PyObject *module, PyObject *unused)
     return Py_BuildValue("{s:s, s:s, s:s, s:i, s:i}", "path", cdl_runtime_path, "file", cdl_runtime_file, "source",
                          cdl_runtime_source, "version", version, "device_count", count);
 }
+
+/* ---- relaxed capture mode around allocations and frees (exchange_alloc.c, copy.c) ---- */
+
+void cdl_capture_mode_relax(const cdl_cudart *rt, cdl_capture_mode_scope *scope)
+{
+    scope->switched = 0;
+    scope->previous = cudaStreamCaptureModeRelaxed;
+    if (rt->thread_exchange_stream_capture_mode == NULL)
+        return;
+    if (rt->thread_exchange_stream_capture_mode(&scope->previous) == cudaSuccess)
+        scope->switched = 1;
+    else
+        (void)rt->get_last_error(); /* the call goes ahead in the thread's own mode */
+}
+
+void cdl_capture_mode_leave(const cdl_cudart *rt, cdl_capture_mode_scope *scope)
+{
+    if (scope->switched && rt->thread_exchange_stream_capture_mode(&scope->previous) != cudaSuccess)
+        (void)rt->get_last_error();
+    scope->switched = 0;
+}

@@ -77,6 +77,22 @@ typedef struct {
     int failed_in_driver;
 } cdl_device_scope;
 
+/* cudaMalloc, cudaFree and their pinned and managed kinds are "potentially unsafe" during a graph capture: a
+ * thread in global mode (every thread's default) may not make them while it captures in global or thread-local
+ * mode, nor while any thread captures in global mode (PyTorch's default); the runtime refuses the call and
+ * invalidates that capture. A thread in relaxed mode is not prohibited from them, and none of them is a node of
+ * a capture: the memory is made or freed at once, which is what the allocator's caller asks for. So each runs
+ * with the calling thread switched to relaxed and its own mode put back after (the push-pop use of
+ * cudaThreadExchangeStreamCaptureMode); without that call, in the thread's own mode as before. */
+typedef struct {
+    int switched;                           /* the thread is in relaxed mode until cdl_capture_mode_leave */
+    enum cudaStreamCaptureMode previous;    /* the mode it is put back in */
+} cdl_capture_mode_scope;
+/* Switches the calling thread to relaxed capture mode (a no-op without cudaThreadExchangeStreamCaptureMode). */
+void cdl_capture_mode_relax(const cdl_cudart *rt, cdl_capture_mode_scope *scope);
+/* Puts the thread's own mode back. */
+void cdl_capture_mode_leave(const cdl_cudart *rt, cdl_capture_mode_scope *scope);
+
 /* Makes device's primary context current. 0, or nonzero with scope->failed_* set (nothing switched). */
 int cdl_device_enter(const cdl_cudart *rt, int device, cdl_device_scope *scope);
 /* Makes context current (driver calls required). Same contract. */

@@ -16,37 +16,6 @@ typedef struct {
     int64_t dims[];
 } cdl_made_tensor;
 
-/* cudaMalloc, cudaFree and their pinned and managed kinds are "potentially unsafe" during a graph capture: a
- * thread in global mode (every thread's default) may not make them while it captures in global or thread-local
- * mode, nor while any thread captures in global mode (PyTorch's default); the runtime refuses the call and
- * invalidates that capture. A thread in relaxed mode is not prohibited from them, and none of them is a node of
- * a capture: the memory is made or freed at once, which is what the allocator's caller asks for. So each runs
- * with the calling thread switched to relaxed and its own mode put back after (the push-pop use of
- * cudaThreadExchangeStreamCaptureMode); without that call, in the thread's own mode as before. */
-typedef struct {
-    int switched;                           /* the thread is in relaxed mode until cdl_capture_mode_leave */
-    enum cudaStreamCaptureMode previous;    /* the mode it is put back in */
-} cdl_capture_mode_scope;
-
-static void cdl_capture_mode_relax(const cdl_cudart *rt, cdl_capture_mode_scope *scope)
-{
-    scope->switched = 0;
-    scope->previous = cudaStreamCaptureModeRelaxed;
-    if (rt->thread_exchange_stream_capture_mode == NULL)
-        return;
-    if (rt->thread_exchange_stream_capture_mode(&scope->previous) == cudaSuccess)
-        scope->switched = 1;
-    else
-        (void)rt->get_last_error(); /* the call goes ahead in the thread's own mode */
-}
-
-static void cdl_capture_mode_leave(const cdl_cudart *rt, cdl_capture_mode_scope *scope)
-{
-    if (scope->switched && rt->thread_exchange_stream_capture_mode(&scope->previous) != cudaSuccess)
-        (void)rt->get_last_error();
-    scope->switched = 0;
-}
-
 static void cdl_free_made_tensor(DLManagedTensorVersioned *self)
 {
     cdl_made_tensor *made = self->manager_ctx;

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import weakref
 
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 from numpy.lib.array_utils import byte_bounds
 
 from cai_dlpack import CudaError, DLPackShim, UnsupportedArrayError, cai2dlpack, dlpack2cai
+from support.threads import run_threads
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, MANAGED, PINNED_HOST
 from support.dlpack_ctypes import DLManagedTensorVersioned, _api, read_capsule
@@ -442,21 +442,11 @@ def test_failed_host_copy_raises(cudart, call):
 def test_host_copies_from_many_threads(cudart):
     # Host copies wait with the GIL released; copies from four threads at once stay correct.
     source, obj = device_source(cudart, "negative")
-    errors = []
+    def work(_):
+        for _ in range(200):
+            np.testing.assert_array_equal(np.from_dlpack(DLPackShim(obj), device="cpu"), source)
 
-    def work():
-        try:
-            for _ in range(200):
-                np.testing.assert_array_equal(np.from_dlpack(DLPackShim(obj), device="cpu"), source)
-        except Exception as error:  # reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
+    assert run_threads(work, 4) == []
 
 
 def test_host_copy_refused_while_its_stream_captures(cudart):

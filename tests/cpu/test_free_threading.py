@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from cai_dlpack import DLPackShim, DLPackView, cai2dlpack, dlpack2cai, options
+from support import threads
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL
 from support.dlpack_ctypes import (DLDataType, DLDevice, DLManagedTensorVersioned, DLTensor, _api, kDLCPU, kDLCUDA,
@@ -40,21 +41,7 @@ class ExchangeAPI(ctypes.Structure):
 
 def run_threads(work, count=THREADS):
     """Runs work(i) on count threads started together; returns the exceptions they raised."""
-    errors, barrier = [], threading.Barrier(count)
-
-    def run(i):
-        barrier.wait()
-        try:
-            work(i)
-        except BaseException as error:  # reported on the main thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return errors
+    return threads.run_threads(work, count)
 
 
 def allocate(allocator, device_type, count):

@@ -4,11 +4,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 
 import numpy as np
 import pytest
 from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai
+from support.threads import run_threads
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE
 from support.optional import TORCH_MISSING
@@ -21,26 +21,17 @@ def test_eight_threads_convert_the_same_object(cudart):
     register(cudart, host, DEVICE, device=1)
     device_object = CaiArray(host, stream=0x5000)
     host_array = np.arange(64.0)
-    errors = []
     base = sys.getrefcount(device_object), sys.getrefcount(host_array)
     events_before = cudart.events_created
 
-    def work():
-        try:
-            for _ in range(1500):
-                cai2dlpack(device_object, stream=0x6000, max_version=(1, 0))
-                t = torch.from_dlpack(DLPackShim(host_array))
-                assert t.data_ptr() == host_array.ctypes.data
-                assert np.asarray(dlpack2cai(t))[5] == 5.0
-        except Exception as error:  # reported below, on the main thread
-            errors.append(error)
+    def work(_):
+        for _ in range(1500):
+            cai2dlpack(device_object, stream=0x6000, max_version=(1, 0))
+            t = torch.from_dlpack(DLPackShim(host_array))
+            assert t.data_ptr() == host_array.ctypes.data
+            assert np.asarray(dlpack2cai(t))[5] == 5.0
 
-    threads = [threading.Thread(target=work) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
+    assert run_threads(work, 8) == []
     assert (sys.getrefcount(device_object), sys.getrefcount(host_array)) == base
     assert cudart.current_device == 0
     assert cudart.events_created - events_before <= 1  # one pooled event for device 1, whatever the threads did

@@ -10,8 +10,8 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 
 from cai_dlpack import DLPackShim, dlpack2cai  # noqa: E402
-from cai_dlpack._benchmark import SPIN_KERNEL  # noqa: E402
 from support.cai_objects import Wrapped  # noqa: E402
+from test_gpu import busy_producer  # noqa: E402
 
 kDLCPU, kDLCUDA = 1, 2
 MAX_CALLS = 65536  # csrc/copy.c: CDL_COPY_MAX_CALLS
@@ -60,20 +60,6 @@ def test_low_precision_host_copy_bit_for_bit():
     host = torch.utils.dlpack.from_dlpack(capsule)
     assert host.device.type == "cpu" and host.dtype == torch.bfloat16 and host.is_contiguous()
     assert host.view(torch.int16).numpy().view(np.uint16).tolist() == bits.get()[:, ::2].tolist()
-
-
-def busy_producer(milliseconds):
-    """A stream kept busy for about the given time, then writing ones into x: the data is ready only then."""
-    spin = cupy.RawKernel(SPIN_KERNEL, "spin")
-    producer = cupy.cuda.Stream(non_blocking=True)
-    # Load the fill kernel and make x before the spin: a module load or allocation during it could serialize.
-    x = cupy.ones(1 << 20, dtype=cupy.float32)
-    x.fill(0)
-    cupy.cuda.Device().synchronize()
-    with producer:
-        spin((1,), (1,), (np.int64(milliseconds * 1_000_000),))
-        x.fill(1)
-    return x, producer
 
 
 def test_host_copy_waits_for_the_producers_stream():
