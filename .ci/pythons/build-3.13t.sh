@@ -32,7 +32,7 @@ cd "$work/src"
 nice ./configure -q --disable-gil --prefix="$prefix" --without-ensurepip >&2
 nice make -s -j"$(nproc)" >&2
 make -s altinstall >&2
-"$python" -m ensurepip -q >&2 || true
+"$python" -m ensurepip >&2 || true
 rm -rf "$work"
 "$python" -c "import sys; assert not sys._is_gil_enabled(), 'GIL enabled'"
 echo "$python"
