@@ -6,6 +6,7 @@
  * Python exception (or one SetError), every success what was asked. tests/cpu/test_fuzz_corpus.py replays
  * tests/fuzz/corpus_doors the same way through ctypes. */
 #include "cdl_internal.h"
+#include "fuzz_input.h"
 
 #include <cai_dlpack/cai_dlpack.h>
 #include <string.h>
@@ -17,18 +18,6 @@ static const DLPackExchangeAPI *exchange;
 static PyObject *holder_type; /* class Holder: its instances hold an __array_interface__ */
 static char memory[1 << 12];
 
-typedef struct {
-    const uint8_t *data;
-    size_t size;
-} cdl_input;
-
-static uint8_t take_byte(cdl_input *in)
-{
-    if (in->size == 0)
-        return 0;
-    in->size--;
-    return *in->data++;
-}
 
 /* Extremes first: the values at which sizes and extents wrap. */
 static const int64_t extremes[] = {0, 1, 2, 3, -1, -2, INT64_MIN, INT64_MAX, (int64_t)1 << 31, ((int64_t)1 << 32) + 1,

@@ -4,23 +4,12 @@
  * consumed into a view, and read back. Invariants: no crash, no sanitizer report, and every refusal
  * is a Python exception. */
 #include "cdl_internal.h"
+#include "fuzz_input.h"
 
 #include <string.h>
 
 PyMODINIT_FUNC PyInit__core(void);
 
-typedef struct {
-    const uint8_t *data;
-    size_t size;
-} cdl_input;
-
-static uint8_t take_byte(cdl_input *in)
-{
-    if (in->size == 0)
-        return 0;
-    in->size--;
-    return *in->data++;
-}
 
 static int64_t take_int64(cdl_input *in)
 {
