@@ -4,19 +4,29 @@
 # A rerun finds the built interpreter and does nothing. Prints the interpreter's path last.
 #   CAI_DLPACK_CACHE  cache folder (default ~/.cache/cai-dlpack)
 #   DEBIAN_MIRROR     archive to read (default: the first deb.debian.org-style URI in this machine's apt sources)
+# With the argument --tsan it builds the same interpreter with clang and ThreadSanitizer
+# (--with-thread-sanitizer) into python3.13t-tsan instead (tests/run_tsan.sh uses it).
 set -euo pipefail
 cache=${CAI_DLPACK_CACHE:-$HOME/.cache/cai-dlpack}
-prefix=$cache/python3.13t
+variant=python3.13t
+configure_extra=()
+compiler=gcc
+if [ "${1:-}" = --tsan ]; then
+  variant=python3.13t-tsan
+  configure_extra=(--with-thread-sanitizer CC=clang CXX=clang++)
+  compiler=clang
+fi
+prefix=$cache/$variant
 python=$prefix/bin/python3.13t
 if [ -x "$python" ] && "$python" -c "import sys, venv; assert not sys._is_gil_enabled()" 2>/dev/null; then
   echo "$python"; exit 0
 fi
-for tool in apt-get make gcc; do
-  command -v "$tool" >/dev/null || { echo "build-3.13t: '$tool' is missing (Debian: apt-get install build-essential)" >&2; exit 1; }
+for tool in apt-get make $compiler; do
+  command -v "$tool" >/dev/null || { echo "build-3.13t: '$tool' is missing (Debian: apt-get install build-essential $compiler)" >&2; exit 1; }
 done
 mirror=${DEBIAN_MIRROR:-$(grep -h -o -E 'https?://[^ ]*/debian/?( |$)' /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null | head -n 1 | tr -d ' ' || true)}
 mirror=${mirror:-http://deb.debian.org/debian}
-work=$cache/src-3.13t
+work=$cache/src-$variant
 rm -rf "$work"; mkdir -p "$work/lists/partial"
 echo "deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror trixie main" >"$work/sources.list"
 # A private apt configuration: the machine's own sources and lists are left as they are.
@@ -29,7 +39,7 @@ mkdir "$work/src"
 tar -xf "$tarball" -C "$work/src" --strip-components=1
 cd "$work/src"
 # Modules whose libraries this machine lacks are left out by configure; the test suite needs none of them.
-nice ./configure -q --disable-gil --prefix="$prefix" --without-ensurepip >&2
+nice ./configure -q --disable-gil --prefix="$prefix" --without-ensurepip "${configure_extra[@]}" >&2
 nice make -s -j"$(nproc)" >&2
 make -s altinstall >&2
 "$python" -m ensurepip >&2 || true
