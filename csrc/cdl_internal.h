@@ -327,8 +327,9 @@ PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject
 /* Frees data of an export that owns it; called once, on any thread, with or without the GIL, also while the
  * interpreter shuts down, so it touches no Python state. */
 typedef void (*cdl_data_release)(void *data, DLDevice device);
-/* A capsule like the above whose tensor owns arr->data (a copy): release_data frees it with the tensor. The
- * data is owned from the call on: on failure (NULL with an exception) it has been released already. */
+/* A capsule like the above whose tensor owns arr->data (a copy): release_data frees it with the tensor, and a
+ * versioned tensor's flags carry DLPACK_FLAG_BITMASK_IS_COPIED. The data is owned from the call on: on failure
+ * (NULL with an exception) it has been released already. */
 PyObject *cdl_capsule_owning_data(const cdl_array *arr, cdl_data_release release_data, int versioned);
 /* Takes the tensor out of a DLPack capsule, renaming it used_* so nobody else can. Returns 0, or -1 with
  * BufferError (already consumed) or TypeError (not a DLPack capsule). */

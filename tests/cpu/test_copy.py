@@ -18,9 +18,10 @@ from cai_dlpack import CudaError, DLPackShim, UnsupportedArrayError, cai2dlpack,
 from support.threads import run_threads
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, MANAGED, PINNED_HOST
-from support.dlpack_ctypes import DLManagedTensorVersioned, _api, read_capsule
+from support.dlpack_ctypes import DLManagedTensorVersioned, MadeTensor, _api, read_capsule
 
 kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
+READ_ONLY, IS_COPIED = 1, 2  # DLPACK_FLAG_BITMASK_*
 S1, S2 = 0x5000, 0x6000
 MAX_CALLS = 65536  # csrc/copy.c: CDL_COPY_MAX_CALLS
 
@@ -82,7 +83,9 @@ def test_host_copy_of_every_layout(layout, max_version):
     assert fields["device"] == (kDLCPU, 0)
     assert fields["shape"] == source.shape
     assert fields["strides"] == contiguous_strides(source.shape)
-    assert fields.get("flags", 0) == 0  # writable, even where the source is not (broadcast views are read-only)
+    # Writable, even where the source is not (broadcast views are read-only), and said to be a copy where the
+    # capsule can say it (a legacy one has no flags).
+    assert fields.get("flags") == (IS_COPIED if max_version else None)
     np.testing.assert_array_equal(host_values(fields, source.dtype), source)
     if source.size:
         lo, hi = byte_bounds(allocation_of(source))
@@ -254,7 +257,7 @@ def test_device_copy_of_every_layout(cudart, layout):
     fields = read_capsule(capsule)
     assert fields["device"] == (kDLCUDA, 0)
     assert fields["shape"] == source.shape and fields["strides"] == contiguous_strides(source.shape)
-    assert fields["flags"] == 0
+    assert fields["flags"] == IS_COPIED
     np.testing.assert_array_equal(host_values(fields, source.dtype), source)
     lo, hi = byte_bounds(allocation_of(source))
     assert not lo <= fields["data"] < hi
@@ -469,3 +472,78 @@ def test_device_copy_into_a_capture(cudart):
     np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
     del capsule  # freed in relaxed mode too
     assert cudart.violations == 0 and cudart.end_capture(capture)
+
+
+# ---- what a copy says of itself ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["host memory, copy=True", "device memory, copy=True", "device memory to the host"])
+def test_copies_are_flagged_as_copies_and_writable(cudart, where):
+    source = _base()[:, ::2]
+    if where != "host memory, copy=True":
+        register(cudart, allocation_of(source), DEVICE)
+    obj = CaiArray(source, read_only=True) if where != "host memory, copy=True" else None
+    shim = DLPackShim(obj) if obj is not None else DLPackShim(np.broadcast_to(source, source.shape))
+    # Not a copy: the source's own read-only flag and nothing else.
+    assert read_capsule(shim.__dlpack__(max_version=(1, 0)))["flags"] == READ_ONLY
+    asked = {"dl_device": (kDLCPU, 0)} if where == "device memory to the host" else {"copy": True}
+    fields = read_capsule(shim.__dlpack__(max_version=(1, 0), **asked))
+    assert fields["flags"] == IS_COPIED  # the array API: a copy says so; it is the consumer's, so writable
+    assert "flags" not in read_capsule(shim.__dlpack__(**asked))  # a legacy capsule has no way to say it
+    if where == "device memory to the host":
+        copied = np.from_dlpack(shim, device="cpu")
+        assert copied.flags.writeable
+        copied[...] = 0  # numpy took the flags as they are: its own memory
+
+
+# ---- empty arrays: copied by no call, whatever their strides -------------------------------------------------
+
+# (shape, byte strides) of float32 arrays with no elements: torch.empty(0, 100000).t() first.
+EMPTY = [
+    ((100000, 0), (4, 400000)),
+    ((0,), (4,)),
+    ((3, 0, 5), (-20, 4, 200000)),
+    ((0, 70000, 3), (4, 12, 0)),
+    ((70000, 0, 70000), (4, 4, 280000)),
+]
+
+
+def empty_source(shape, strides, stream=S1):
+    return CaiArray(np.empty(0, np.float32), stream=stream, shape=shape, strides=strides)
+
+
+@pytest.mark.parametrize("shape, strides", EMPTY)
+def test_device_copy_of_an_empty_array(cudart, shape, strides):
+    cudart.clear_log()
+    fields = read_capsule(DLPackShim(empty_source(shape, strides)).__dlpack__(stream=S2, copy=True,
+                                                                              max_version=(1, 0)))
+    assert fields["device"] == (kDLCUDA, 0)
+    assert fields["shape"] == shape and fields["strides"] == contiguous_strides(shape)
+    assert fields["flags"] == IS_COPIED
+    log = cudart.log()
+    assert copies_in(log) == [] and not any("Synchronize" in line or "WaitEvent" in line for line in log)
+
+
+@pytest.mark.parametrize("shape, strides", EMPTY)
+def test_host_copy_of_an_empty_array(cudart, shape, strides):
+    host = np.from_dlpack(DLPackShim(empty_source(shape, strides)), device="cpu")
+    assert host.shape == shape and host.flags.c_contiguous
+    numpy_empty = np.lib.stride_tricks.as_strided(np.empty(1, np.float32), shape, strides)
+    copied = np.from_dlpack(DLPackShim(numpy_empty), copy=True)
+    assert copied.shape == shape and not np.shares_memory(copied, numpy_empty)
+
+
+def test_copy_of_an_empty_array_whose_extents_do_not_fit(cudart):
+    # No extent is measured for an empty array: element strides times the itemsize, and the product of the
+    # extents after the zero, pass 64 bits. The copy multiplies neither (the sanitized build checks it).
+    shape, strides = (0, 2**40, 2**40), (4, 2**42, 4)  # the last two would merge into 2**80 elements
+    source = empty_source(shape, strides)
+    assert read_capsule(DLPackShim(source).__dlpack__(copy=True, max_version=(1, 0)))["shape"] == shape
+    assert read_capsule(DLPackShim(source).__dlpack__(dl_device=(kDLCPU, 0)))["shape"] == shape
+    made = MadeTensor(shape=(0, 3), strides=(2**62, 1))  # 2**62 elements of 4 bytes apart
+    view = dlpack2cai(made.capsule)
+    assert read_capsule(view.__dlpack__(copy=True, max_version=(1, 0)))["shape"] == (0, 3)
+    made = MadeTensor(device=(kDLCUDA, 0), shape=(3, 0), strides=(-(2**62), 2**61))
+    view = dlpack2cai(made.capsule)
+    assert read_capsule(view.__dlpack__(copy=True, max_version=(1, 0)))["shape"] == (3, 0)
+    assert np.from_dlpack(view, device="cpu").shape == (3, 0)
