@@ -321,7 +321,10 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
 {
     const DLDevice device = arr->device;
     const int64_t producer = arr->stream;
-    if (!cdl_option_sync || producer == 0 || consumer == CDL_STREAM_NO_SYNC || producer == consumer)
+    /* One handle is one stream, except the legacy and per-thread ones of pinned and managed memory: the
+     * producer's is the allocation's device's, the consumer's the caller's, which may be another device. */
+    const int same_stream = producer == consumer && (device.device_type == kDLCUDA || consumer > CDL_STREAM_PER_THREAD);
+    if (!cdl_option_sync || producer == 0 || consumer == CDL_STREAM_NO_SYNC || same_stream)
         return 0;
     if (device.device_type == kDLCPU)
         return 0;

@@ -547,3 +547,103 @@ def test_copy_of_an_empty_array_whose_extents_do_not_fit(cudart):
     view = dlpack2cai(made.capsule)
     assert read_capsule(view.__dlpack__(copy=True, max_version=(1, 0)))["shape"] == (3, 0)
     assert np.from_dlpack(view, device="cpu").shape == (3, 0)
+
+
+# ---- 2D copies within the runtime's bound on pitches (cudaDevAttrMaxPitch) -----------------------------------
+
+
+def test_copies_of_rows_farther_apart_than_the_max_pitch(cudart):
+    source = _base()[:, ::2, 1:3]  # rows of 40 bytes, 160 bytes apart (test_device_copy_calls)
+    register(cudart, allocation_of(source), DEVICE)
+    obj = CaiArray(source, stream=S1)
+    cudart.set_max_pitch(160)  # the bound itself is a pitch the runtime takes
+    cudart.clear_log()
+    DLPackShim(obj).__dlpack__(stream=S2, copy=True)
+    assert copies_in(cudart.log()) == ["cudaMemcpy2DAsync(2 x 40 bytes, pitches 40 160, kind 4, 24576)"] * 2
+    assert "cudaDeviceGetAttribute(11, 0)" in cudart.log()
+    cudart.set_max_pitch(159)  # rows too far apart: one plain copy per row
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(stream=S2, copy=True)
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    assert copies_in(cudart.log()) == ["cudaMemcpyAsync(40 bytes, kind 4, 24576)"] * 4
+    cudart.clear_log()
+    np.testing.assert_array_equal(np.from_dlpack(DLPackShim(obj), device="cpu"), source)
+    assert copies_in(cudart.log()) == [f"cudaMemcpyAsync(40 bytes, kind 4, {S1})"] * 4
+
+
+def test_copies_of_rows_wider_than_the_max_pitch(cudart):
+    source = _base()[:, ::2, 1:3]
+    register(cudart, allocation_of(source), DEVICE)
+    obj = CaiArray(source, stream=S1)
+    cudart.set_max_pitch(32)  # the 40-byte row is the packed copy's pitch: wider than the bound
+    for asked in ({"stream": S2, "copy": True}, {"dl_device": (kDLCPU, 0)}):
+        cudart.clear_log()
+        capsule = DLPackShim(obj).__dlpack__(**asked)
+        np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+        assert [line.split(",")[0] for line in copies_in(cudart.log())] == ["cudaMemcpyAsync(40 bytes"] * 4
+
+
+def test_host_copy_past_the_call_limit_with_rows_past_the_max_pitch_is_staged(cudart):
+    allocation = np.arange(2 * (MAX_CALLS + 10), dtype=np.float32).reshape(-1, 2)
+    register(cudart, allocation, DEVICE)
+    source = allocation[:, :1]  # rows of 4 bytes, 8 apart: one call each once 8 is past the bound
+    cudart.set_max_pitch(4)
+    cudart.clear_log()
+    np.testing.assert_array_equal(np.from_dlpack(DLPackShim(CaiArray(source, stream=S1)), device="cpu"), source)
+    assert copies_in(cudart.log()) == [f"cudaMemcpyAsync({allocation.nbytes - 4} bytes, kind 4, {S1})"]
+    with pytest.raises(BufferError, match="would take more than 65536 runtime copy calls"):
+        DLPackShim(CaiArray(source, stream=S1)).__dlpack__(copy=True)
+
+
+@pytest.mark.parametrize("asked", [{"copy": True}, {"dl_device": (kDLCPU, 0)}])
+def test_failed_max_pitch_query_raises(cudart, asked):
+    source, obj = device_source(cudart, "strided")
+    cudart.fail("cudaDeviceGetAttribute", 101)
+    cudart.clear_log()
+    with pytest.raises(CudaError, match="cudaDeviceGetAttribute.*cudaErrorInvalidDevice"):
+        DLPackShim(obj).__dlpack__(**asked)
+    assert not any(line.startswith(("cudaMalloc", "cudaMemcpy")) for line in cudart.log())
+
+
+# ---- pinned and managed memory copied for a consumer on another device ---------------------------------------
+
+
+@pytest.mark.parametrize("consumer", [1, 2])
+@pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
+def test_pinned_and_managed_copy_runs_on_the_callers_default_stream(cudart, kind, consumer):
+    # The allocation is device 0's, its producer stream S1 too; the caller works on device 1, where stream 1
+    # (2) is device 1's legacy (per-thread) default stream: the copies must run there, after the producer.
+    source, obj = device_source(cudart, "strided", kind=kind)
+    cudart.add_stream(S1, 0)
+    cudart.current_device = 1
+    cudart.log_context()
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(stream=consumer, copy=True, max_version=(1, 0))
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    log = cudart.log()
+    record = next(i for i, line in enumerate(log) if line.startswith("cudaEventRecord") and f", {S1}) @ctx0" in line)
+    wait = next(i for i, line in enumerate(log) if line.startswith(f"cudaStreamWaitEvent({consumer}, "))
+    assert log[wait].endswith("@ctx1")  # the consumer's stream is the caller's device's
+    copies = [i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync"))]
+    assert copies and record < wait < min(copies)
+    assert all(log[i].endswith(f", {consumer}) @ctx1") for i in copies)  # there, not on device 0's stream
+    assert cudart.context_device == 1  # the caller's context as it was
+
+
+@pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
+def test_pinned_copy_for_the_callers_legacy_stream_after_the_allocations(cudart, kind):
+    # Producer and consumer both say "the legacy stream", but the producer's is the allocation's device's and
+    # the consumer's the caller's: the copies are still ordered after the producer's work.
+    source, obj = device_source(cudart, "contiguous", kind=kind, stream=1)
+    cudart.current_device = 1
+    cudart.log_context()
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(stream=1, copy=True, max_version=(1, 0))
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    log = cudart.log()
+    record = next(i for i, line in enumerate(log)
+                  if line.startswith("cudaEventRecord") and line.endswith(", 1) @ctx0"))
+    wait = next(i for i, line in enumerate(log) if line.startswith("cudaStreamWaitEvent(1, ") and line.endswith("@ctx1"))
+    copies = [i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync"))]
+    assert copies and record < wait < min(copies)
+    assert all(log[i].endswith(", 1) @ctx1") for i in copies)
