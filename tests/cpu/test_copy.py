@@ -17,7 +17,7 @@ from numpy.lib.array_utils import byte_bounds
 from cai_dlpack import CudaError, DLPackShim, UnsupportedArrayError, cai2dlpack, dlpack2cai
 from support.threads import run_threads
 from support.cai_objects import CaiArray, register
-from support.cuda_double import DEVICE, MANAGED, PINNED_HOST
+from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST
 from support.dlpack_ctypes import DLManagedTensorVersioned, MadeTensor, _api, read_capsule
 
 kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
@@ -560,7 +560,6 @@ def test_copies_of_rows_farther_apart_than_the_max_pitch(cudart):
     cudart.clear_log()
     DLPackShim(obj).__dlpack__(stream=S2, copy=True)
     assert copies_in(cudart.log()) == ["cudaMemcpy2DAsync(2 x 40 bytes, pitches 40 160, kind 4, 24576)"] * 2
-    assert "cudaDeviceGetAttribute(11, 0)" in cudart.log()
     cudart.set_max_pitch(159)  # rows too far apart: one plain copy per row
     cudart.clear_log()
     capsule = DLPackShim(obj).__dlpack__(stream=S2, copy=True)
@@ -569,6 +568,7 @@ def test_copies_of_rows_farther_apart_than_the_max_pitch(cudart):
     cudart.clear_log()
     np.testing.assert_array_equal(np.from_dlpack(DLPackShim(obj), device="cpu"), source)
     assert copies_in(cudart.log()) == [f"cudaMemcpyAsync(40 bytes, kind 4, {S1})"] * 4
+    assert "cudaDeviceGetAttribute(11, 0)" in cudart.log()  # the bound is the device's own
 
 
 def test_copies_of_rows_wider_than_the_max_pitch(cudart):
@@ -647,3 +647,48 @@ def test_pinned_copy_for_the_callers_legacy_stream_after_the_allocations(cudart,
     copies = [i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync"))]
     assert copies and record < wait < min(copies)
     assert all(log[i].endswith(", 1) @ctx1") for i in copies)
+
+
+# ---- host copies and graph captures ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("whose", ["another thread's", "this thread's"])
+def test_host_copy_leaves_a_global_capture_whole(cudart, whose):
+    # A capture in global mode (PyTorch's default) on a stream the copy does not use: the copy into pageable
+    # memory and the wait for it are made in relaxed mode, so they neither fail nor invalidate it.
+    source, obj = device_source(cudart, "negative")
+    capture = cudart.begin_capture(S2, mode=GLOBAL, other_thread=whose == "another thread's")
+    cudart.clear_log()
+    np.testing.assert_array_equal(np.from_dlpack(DLPackShim(obj), device="cpu"), source)
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+    assert cudart.thread_capture_mode == GLOBAL  # the thread's mode as it was
+    log = cudart.log()
+    relax = log.index("cudaThreadExchangeStreamCaptureMode(2) -> 0, was 0")
+    sync = log.index(f"cudaStreamSynchronize({S1})")
+    restore = log.index("cudaThreadExchangeStreamCaptureMode(0) -> 0, was 2")
+    assert relax < log.index(copies_in(log)[0]) and sync < restore
+
+
+@pytest.mark.parametrize("consumer", [S2, 2])
+def test_host_copy_refused_while_the_consumers_stream_captures(cudart, consumer):
+    # The consumer's stream captures: a host copy now is not what the graph's launches would read.
+    source, obj = device_source(cudart, "contiguous")
+    capture = cudart.begin_capture(consumer)
+    cudart.clear_log()
+    with pytest.raises(BufferError, match=rf"a host copy \(dl_device=\(1, 0\)\) was asked for with stream={consumer}, "
+                                          rf"which is capturing a CUDA graph \(capture {capture}\): the copy would be "
+                                          r"made once, now, never by the graph's launches"):
+        DLPackShim(obj).__dlpack__(stream=consumer, dl_device=(kDLCPU, 0))
+    assert copies_in(cudart.log()) == [] and not any("Synchronize" in line for line in cudart.log())
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+    capture = cudart.begin_capture(consumer)
+    cudart.invalidate_capture(capture)
+    with pytest.raises(BufferError, match=rf"\(capture {capture}, already invalidated\)"):
+        DLPackShim(obj).__dlpack__(stream=consumer, dl_device=(kDLCPU, 0))
+
+
+def test_host_copy_with_a_consumer_stream_that_cannot_be_asked_raises(cudart):
+    source, obj = device_source(cudart, "contiguous")
+    cudart.fail("cudaStreamGetCaptureInfo", 400)
+    with pytest.raises(CudaError, match="cudaStreamGetCaptureInfo.*cudaErrorInvalidResourceHandle"):
+        DLPackShim(obj).__dlpack__(stream=S2, dl_device=(kDLCPU, 0))
