@@ -380,11 +380,12 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
                      PyObject *max_version, PyObject *dl_device, PyObject *copy);
 
 /* copy.c: the copies a consumer asks __dlpack__ for --------------------------------------------------- */
-/* A capsule owning a new C-contiguous copy of arr (same type and shape, writable) on target: arr's own device
- * (copy=True), or (kDLCPU, 0) for any source. A copy of CUDA memory onto its device is ordered after the
- * producer's stream and issued on consumer's (not waited for); a host copy of CUDA memory is issued on the
- * producer's stream and complete on return. NULL with an exception: BufferError naming a layout the runtime's
- * memcpy calls cannot copy on the device, CudaError, MemoryError. */
+/* A capsule owning a new C-contiguous copy of arr (same type and shape, writable, flagged IS_COPIED) on target:
+ * arr's own device (copy=True), or (kDLCPU, 0) for any source. A copy of CUDA memory onto its device is ordered
+ * after the producer's stream and issued on consumer's (not waited for); a host copy of CUDA memory is issued on
+ * the producer's stream and complete on return, made in relaxed capture mode. NULL with an exception:
+ * BufferError naming a layout the runtime's memcpy calls cannot copy on the device, or a consumer stream that
+ * captures a graph (host copies), CudaError, MemoryError. */
 PyObject *cdl_export_copy(const cdl_array *arr, DLDevice target, int64_t consumer, int versioned);
 
 /* dlpack_to_cai.c: DLPackView, a managed tensor behind the array interfaces ---------------------- */
