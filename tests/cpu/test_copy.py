@@ -692,3 +692,17 @@ def test_host_copy_with_a_consumer_stream_that_cannot_be_asked_raises(cudart):
     cudart.fail("cudaStreamGetCaptureInfo", 400)
     with pytest.raises(CudaError, match="cudaStreamGetCaptureInfo.*cudaErrorInvalidResourceHandle"):
         DLPackShim(obj).__dlpack__(stream=S2, dl_device=(kDLCPU, 0))
+
+
+def test_pinned_copy_for_the_same_legacy_stream_on_the_allocations_device_is_not_ordered(cudart):
+    # Caller and allocation on one device: producer and consumer "legacy stream" are one stream, nothing to order.
+    source, obj = device_source(cudart, "contiguous", kind=PINNED_HOST, stream=1)
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(stream=1, copy=True, max_version=(1, 0))
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    assert not any(line.startswith(("cudaEventRecord", "cudaStreamWaitEvent")) for line in cudart.log())
+    cudart.fail("cudaGetDevice", 999)  # asking where the caller is fails (reached first by a zero-copy export)
+    cudart.clear_log()
+    with pytest.raises(CudaError, match="^cudaGetDevice failed: cudaErrorUnknown"):
+        DLPackShim(obj).__dlpack__(stream=1)
+    assert cudart.log()[-2:] == ["cudaGetDevice() -> -1", "cudaGetLastError() -> 999"]  # and nothing after it
