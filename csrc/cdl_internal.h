@@ -327,8 +327,9 @@ PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject
 /* Frees data of an export that owns it; called once, on any thread, with or without the GIL, also while the
  * interpreter shuts down, so it touches no Python state. */
 typedef void (*cdl_data_release)(void *data, DLDevice device);
-/* A capsule like the above whose tensor owns arr->data (a copy): release_data frees it with the tensor. The
- * data is owned from the call on: on failure (NULL with an exception) it has been released already. */
+/* A capsule like the above whose tensor owns arr->data (a copy): release_data frees it with the tensor, and a
+ * versioned tensor's flags carry DLPACK_FLAG_BITMASK_IS_COPIED. The data is owned from the call on: on failure
+ * (NULL with an exception) it has been released already. */
 PyObject *cdl_capsule_owning_data(const cdl_array *arr, cdl_data_release release_data, int versioned);
 /* Takes the tensor out of a DLPack capsule, renaming it used_* so nobody else can. Returns 0, or -1 with
  * BufferError (already consumed) or TypeError (not a DLPack capsule). */
@@ -379,11 +380,12 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
                      PyObject *max_version, PyObject *dl_device, PyObject *copy);
 
 /* copy.c: the copies a consumer asks __dlpack__ for --------------------------------------------------- */
-/* A capsule owning a new C-contiguous copy of arr (same type and shape, writable) on target: arr's own device
- * (copy=True), or (kDLCPU, 0) for any source. A copy of CUDA memory onto its device is ordered after the
- * producer's stream and issued on consumer's (not waited for); a host copy of CUDA memory is issued on the
- * producer's stream and complete on return. NULL with an exception: BufferError naming a layout the runtime's
- * memcpy calls cannot copy on the device, CudaError, MemoryError. */
+/* A capsule owning a new C-contiguous copy of arr (same type and shape, writable, flagged IS_COPIED) on target:
+ * arr's own device (copy=True), or (kDLCPU, 0) for any source. A copy of CUDA memory onto its device is ordered
+ * after the producer's stream and issued on consumer's (not waited for); a host copy of CUDA memory is issued on
+ * the producer's stream and complete on return, made in relaxed capture mode. NULL with an exception:
+ * BufferError naming a layout the runtime's memcpy calls cannot copy on the device, or a consumer stream that
+ * captures a graph (host copies), CudaError, MemoryError. */
 PyObject *cdl_export_copy(const cdl_array *arr, DLDevice target, int64_t consumer, int versioned);
 
 /* dlpack_to_cai.c: DLPackView, a managed tensor behind the array interfaces ---------------------- */

@@ -22,11 +22,22 @@ typedef struct {
 
 static void cdl_reduce_layout(const cdl_array *arr, int64_t itemsize, cdl_copy_layout *out)
 {
+    /* The reader measures no extent for an empty array: its strides times the itemsize, and the products of
+     * its other extents, need not fit. It reduces to one dimension of no elements, and nothing is multiplied. */
+    for (int32_t i = 0; i < arr->ndim; i++) {
+        if (arr->shape[i] == 0) {
+            out->ndim = 1;
+            out->shape[0] = 0;
+            out->strides[0] = itemsize;
+            return;
+        }
+    }
     out->ndim = 0;
     for (int32_t i = 0; i < arr->ndim; i++) {
         if (arr->shape[i] == 1)
             continue;
-        /* (shape - 1) * stride * itemsize fits (the reader measured the extent), so stride * itemsize does. */
+        /* (shape - 1) * stride * itemsize fits (the reader measured the extent), so stride * itemsize does; a
+         * merged extent divides the element count, which fits. */
         int64_t stride = arr->strides[i] * itemsize, span;
         int32_t last = out->ndim - 1;
         if (last >= 0 && !__builtin_mul_overflow(stride, arr->shape[i], &span) && out->strides[last] == span) {
@@ -43,14 +54,16 @@ static void cdl_reduce_layout(const cdl_array *arr, int64_t itemsize, cdl_copy_l
 /* How a layout is copied by the runtime: one call per index of the outer dimensions, each a 2D copy of height
  * rows of width bytes, pitch bytes apart in the source (height 1: a plain copy of width bytes). The innermost
  * contiguous run is the width; the next dimension is the rows when its stride is a pitch the runtime takes
- * (positive, at least the width). Negative and zero strides are outer dimensions. */
+ * (positive, at least the width, and at most cudaDevAttrMaxPitch, as the width must be too: it is the
+ * destination's pitch). Negative and zero strides, and rows too far apart or too wide, are outer dimensions:
+ * a plain copy has no pitch to bound. */
 typedef struct {
     int32_t outer;        /* the first `outer` dimensions of the layout are looped over */
     int64_t width, height, pitch;
     int64_t calls;        /* saturates above CDL_COPY_MAX_CALLS */
 } cdl_copy_plan;
 
-static void cdl_plan_copy(const cdl_copy_layout *layout, int64_t itemsize, cdl_copy_plan *plan)
+static void cdl_plan_copy(const cdl_copy_layout *layout, int64_t itemsize, int64_t max_pitch, cdl_copy_plan *plan)
 {
     int32_t n = layout->ndim;
     plan->width = itemsize;
@@ -58,7 +71,8 @@ static void cdl_plan_copy(const cdl_copy_layout *layout, int64_t itemsize, cdl_c
         plan->width = layout->shape[--n] * itemsize;
     plan->height = 1;
     plan->pitch = plan->width;
-    if (n > 0 && layout->strides[n - 1] >= plan->width) {
+    if (n > 0 && layout->strides[n - 1] >= plan->width && layout->strides[n - 1] <= max_pitch &&
+        plan->width <= max_pitch) {
         n--;
         plan->height = layout->shape[n];
         plan->pitch = layout->strides[n];
@@ -126,6 +140,17 @@ static void cdl_gather_host(char *destination, const char *source, const cdl_cop
     } while (cdl_next_index(layout, n, index, &offset));
 }
 
+/* cudaDevAttrMaxPitch of device. Returns 0, or -1 with CudaError. */
+static int cdl_max_pitch(const cdl_cudart *rt, int device, int64_t *out)
+{
+    int value = 0;
+    cudaError_t code = rt->device_get_attribute(&value, cudaDevAttrMaxPitch, device);
+    if (code != cudaSuccess)
+        return cdl_raise_cuda_error("cudaDeviceGetAttribute", code);
+    *out = value;
+    return 0;
+}
+
 /* The plan's runtime calls on stream. Returns cudaSuccess, or the failed call's code with *failed its name. */
 static cudaError_t cdl_issue_copies(const cdl_cudart *rt, char *destination, const char *source,
                                     const cdl_copy_layout *layout, const cdl_copy_plan *plan, cudaStream_t stream,
@@ -177,17 +202,45 @@ static cudaStream_t cdl_producer_stream(const cdl_array *arr)
     return (cudaStream_t)(intptr_t)(arr->stream != 0 && cdl_option_sync ? arr->stream : CDL_STREAM_LEGACY);
 }
 
+/* A host copy is made once, now: a consumer whose stream is capturing a CUDA graph wants what the graph's
+ * launches will compute, which no copy made at capture time holds. Refused (BufferError, naming the capture)
+ * before any call. consumer: the stream the caller passed; the legacy stream never captures, -1 orders
+ * nothing. The per-thread stream is the caller's own device's, asked about in the caller's context. */
+static int cdl_refuse_capturing_consumer(const cdl_cudart *rt, int64_t consumer)
+{
+    if (consumer == CDL_STREAM_NO_SYNC || consumer == CDL_STREAM_LEGACY)
+        return 0;
+    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    unsigned long long capture_id = 0;
+    cudaError_t code = cdl_stream_capture_info(rt, (cudaStream_t)(intptr_t)consumer, &capture, &capture_id);
+    if (code != cudaSuccess)
+        return cdl_raise_cuda_error("cudaStreamGetCaptureInfo", code);
+    if (capture == cudaStreamCaptureStatusNone)
+        return 0;
+    PyErr_Format(cdl_UnsupportedError,
+                 "a host copy (dl_device=(1, 0)) was asked for with stream=%lld, which is capturing a CUDA graph "
+                 "(capture %llu%s): the copy would be made once, now, never by the graph's launches. Make the host "
+                 "copy outside the capture, or copy on the device (copy=True) within it",
+                 (long long)consumer, capture_id,
+                 capture == cudaStreamCaptureStatusInvalidated ? ", already invalidated" : "");
+    return -1;
+}
+
 /* CUDA memory to a new host allocation, complete on return. With few enough runtime calls the elements are
  * copied straight into place; otherwise the bytes the layout reaches are staged in one copy and gathered on
- * the host, so a host copy is never refused. Returns 0, or -1 with an exception set (destination untouched
- * for the caller to free). */
-static int cdl_copy_to_host(const cdl_array *arr, const cdl_copy_layout *layout, int64_t itemsize, char *destination)
+ * the host, so a host copy is never refused for its layout. Returns 0, or -1 with an exception set
+ * (destination untouched for the caller to free). */
+static int cdl_copy_to_host(const cdl_array *arr, const cdl_copy_layout *layout, int64_t itemsize, int64_t consumer,
+                            char *destination)
 {
     const cdl_cudart *rt = cdl_cudart_get();
     if (rt == NULL)
         return -1;
+    int64_t max_pitch = 0;
+    if (cdl_refuse_capturing_consumer(rt, consumer) < 0 || cdl_max_pitch(rt, arr->home_device, &max_pitch) < 0)
+        return -1;
     cdl_copy_plan plan;
-    cdl_plan_copy(layout, itemsize, &plan);
+    cdl_plan_copy(layout, itemsize, max_pitch, &plan);
     int64_t low = 0, high = 0;
     char *staging = NULL;
     if (plan.calls > CDL_COPY_MAX_CALLS) {
@@ -230,6 +283,13 @@ static int cdl_copy_to_host(const cdl_array *arr, const cdl_copy_layout *layout,
     /* The one place a conversion waits for the device: the consumer asked for host memory. */
     Py_BEGIN_ALLOW_THREADS
     {
+        /* A copy into pageable memory (synchronous to the host) and a synchronization are calls no capture can
+         * record: in the thread's own mode (global, PyTorch's default) the runtime refuses them with
+         * cudaErrorStreamCaptureUnsupported while this thread or any other captures in global mode, and
+         * invalidates those captures. Neither touches a capturing stream (checked above), so no capture depends
+         * on them: they run in relaxed mode, as allocations and frees do. */
+        cdl_capture_mode_scope relaxed;
+        cdl_capture_mode_relax(rt, &relaxed);
         if (staging == NULL) {
             code = cdl_issue_copies(rt, destination, arr->data, layout, &plan, stream, &failed);
         }
@@ -242,6 +302,7 @@ static int cdl_copy_to_host(const cdl_array *arr, const cdl_copy_layout *layout,
             failed = "cudaStreamSynchronize";
             code = rt->stream_synchronize(stream);
         }
+        cdl_capture_mode_leave(rt, &relaxed);
         if (code == cudaSuccess && staging != NULL)
             cdl_gather_host(destination, staging - low, layout, itemsize);
         scope_failed = cdl_device_leave(rt, &scope) != 0 && code == cudaSuccess;
@@ -268,12 +329,20 @@ static int cdl_allocate_like(const cdl_cudart *rt, DLDevice device, size_t size,
 }
 
 /* CUDA memory to a new allocation of the same kind: ordered after the producer's stream, issued on the
- * consumer's (the producer's for consumer -1, which asks for no ordering), and not waited for. */
+ * consumer's (the producer's for consumer -1, which asks for no ordering), and not waited for. An empty array
+ * is copied by no call at all, so its layout is never planned (nor refused). */
 static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layout, int64_t itemsize, int64_t count,
                               int64_t consumer, void **out)
 {
-    cdl_copy_plan plan;
-    cdl_plan_copy(layout, itemsize, &plan);
+    const cdl_cudart *rt = cdl_cudart_get();
+    if (rt == NULL)
+        return -1;
+    int64_t max_pitch = 0;
+    cdl_copy_plan plan = {0};
+    if (count > 0 && cdl_max_pitch(rt, arr->home_device, &max_pitch) < 0)
+        return -1;
+    if (count > 0)
+        cdl_plan_copy(layout, itemsize, max_pitch, &plan);
     if (plan.calls > CDL_COPY_MAX_CALLS) {
         char strides[400] = "";
         size_t used = 0;
@@ -287,9 +356,6 @@ static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layou
                      strides, CDL_COPY_MAX_CALLS);
         return -1;
     }
-    const cdl_cudart *rt = cdl_cudart_get();
-    if (rt == NULL)
-        return -1;
     cdl_device_scope scope;
     if (cdl_device_enter(rt, arr->home_device, &scope) != 0)
         return cdl_raise_scope_error(&scope);
@@ -305,13 +371,20 @@ static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layou
     if (cdl_order_streams(arr, consumer) < 0)
         goto fail;
     cudaStream_t stream = consumer == CDL_STREAM_NO_SYNC ? cdl_producer_stream(arr) : (cudaStream_t)(intptr_t)consumer;
-    if (cdl_device_enter(rt, arr->home_device, &scope) != 0) {
+    /* A legacy or per-thread consumer names that stream of the caller's current device. For pinned and managed
+     * memory, which every device reaches, that need not be the allocation's device: the copies go onto the
+     * consumer's stream in the caller's own context, right after the wait on the producer that
+     * cdl_order_streams put there, so they run after the producer's work and before the consumer's. For device
+     * memory those handles are the data's device's streams (the array API's), reached in its context. */
+    int in_callers_context = arr->device.device_type != kDLCUDA &&
+                             (consumer == CDL_STREAM_LEGACY || consumer == CDL_STREAM_PER_THREAD);
+    if (!in_callers_context && cdl_device_enter(rt, arr->home_device, &scope) != 0) {
         cdl_raise_scope_error(&scope);
         goto fail;
     }
     const char *failed = NULL;
     cudaError_t code = cdl_issue_copies(rt, *out, arr->data, layout, &plan, stream, &failed);
-    if (cdl_device_leave(rt, &scope) != 0 && code == cudaSuccess) {
+    if (!in_callers_context && cdl_device_leave(rt, &scope) != 0 && code == cudaSuccess) {
         cdl_raise_scope_error(&scope);
         goto fail;
     }
@@ -349,7 +422,7 @@ PyObject *cdl_export_copy(const cdl_array *arr, DLDevice target, int64_t consume
             return PyErr_NoMemory();
         int status = 0;
         if (count > 0 && arr->device.device_type != kDLCPU) {
-            status = cdl_copy_to_host(arr, &layout, itemsize, copy.data);
+            status = cdl_copy_to_host(arr, &layout, itemsize, consumer, copy.data);
         }
         else if (count > 0 && bytes >= CDL_COPY_RELEASE_GIL_BYTES) {
             Py_BEGIN_ALLOW_THREADS

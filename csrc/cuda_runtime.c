@@ -46,6 +46,7 @@ static const char *cdl_resolve_symbols(void *handle, cdl_cudart *table)
     CDL_RESOLVE(memcpy_async, "cudaMemcpyAsync");
     CDL_RESOLVE(memcpy_2d_async, "cudaMemcpy2DAsync");
     CDL_RESOLVE(stream_synchronize, "cudaStreamSynchronize");
+    CDL_RESOLVE(device_get_attribute, "cudaDeviceGetAttribute");
 #undef CDL_RESOLVE
     /* Optional: without it the allocator's calls are made in the thread's own capture mode. */
     *(void **)(&table->thread_exchange_stream_capture_mode) = dlsym(handle, "cudaThreadExchangeStreamCaptureMode");

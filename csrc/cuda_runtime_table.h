@@ -37,6 +37,8 @@ typedef struct cdl_cudart {
     cudaError_t (*memcpy_2d_async)(void *, size_t, const void *, size_t, size_t, size_t, enum cudaMemcpyKind,
                                    cudaStream_t);
     cudaError_t (*stream_synchronize)(cudaStream_t);
+    /* cudaDevAttrMaxPitch: the widest pitch (and row) a 2D copy takes. */
+    cudaError_t (*device_get_attribute)(int *, enum cudaDeviceAttr, int);
     /* Swaps the calling thread's capture-interaction mode (CUDA 10.1); NULL where the runtime lacks it. */
     cudaError_t (*thread_exchange_stream_capture_mode)(enum cudaStreamCaptureMode *);
     /* The driver's, handed out by cudaGetDriverEntryPoint[ByVersion] (no libcuda of our own); NULL

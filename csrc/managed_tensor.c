@@ -182,6 +182,10 @@ PyObject *cdl_capsule_owning_data(const cdl_array *arr, cdl_data_release release
     }
     cdl_export_block *block = managed.versioned ? ((DLManagedTensorVersioned *)managed.pointer)->manager_ctx
                                                 : ((DLManagedTensor *)managed.pointer)->manager_ctx;
+    /* Data this block owns was made for the consumer: the array API has a copy say so. Legacy capsules have no
+     * flags field and cannot. */
+    if (managed.versioned)
+        ((DLManagedTensorVersioned *)managed.pointer)->flags |= DLPACK_FLAG_BITMASK_IS_COPIED;
     block->release_data = release_data;
     block->owned_data = arr->data;
     block->owned_device = arr->device;

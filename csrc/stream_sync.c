@@ -321,9 +321,14 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
 {
     const DLDevice device = arr->device;
     const int64_t producer = arr->stream;
-    if (!cdl_option_sync || producer == 0 || consumer == CDL_STREAM_NO_SYNC || producer == consumer)
+    if (!cdl_option_sync || producer == 0 || consumer == CDL_STREAM_NO_SYNC || device.device_type == kDLCPU)
         return 0;
-    if (device.device_type == kDLCPU)
+    /* A legacy or per-thread consumer handle names the stream of the caller's device: for pinned and
+     * managed memory that is the caller's own context, so that wait comes after the scope is left, and
+     * its capture is asked about there too. One handle is then two streams where the caller's device is
+     * not the allocation's (the producer's stream), else one handle is one stream. */
+    const int wait_outside = device.device_type != kDLCUDA && consumer <= CDL_STREAM_PER_THREAD;
+    if (producer == consumer && !wait_outside)
         return 0;
     /* No elements, nothing to race on. Producers give such arrays a NULL pointer, so the device is
      * only a guess (the current one) and may not be the producer stream's: recording there would fail. */
@@ -334,10 +339,14 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
     const cdl_cudart *rt = cdl_cudart_get();
     if (rt == NULL)
         return -1;
-    /* A legacy or per-thread consumer handle names the stream of the caller's device: for pinned and
-     * managed memory that is the caller's own context, so that wait comes after the scope is left, and
-     * its capture is asked about there too. */
-    const int wait_outside = device.device_type != kDLCUDA && consumer <= CDL_STREAM_PER_THREAD;
+    if (producer == consumer) {
+        int current;
+        cudaError_t code = rt->get_device(&current);
+        if (code != cudaSuccess)
+            return cdl_raise_cuda_error("cudaGetDevice", code);
+        if (current == arr->home_device)
+            return 0;
+    }
     cdl_capture made, used;
     if (wait_outside && cdl_capture_of(rt, consumer, &used) < 0)
         return -1;

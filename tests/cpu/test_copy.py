@@ -17,10 +17,11 @@ from numpy.lib.array_utils import byte_bounds
 from cai_dlpack import CudaError, DLPackShim, UnsupportedArrayError, cai2dlpack, dlpack2cai
 from support.threads import run_threads
 from support.cai_objects import CaiArray, register
-from support.cuda_double import DEVICE, MANAGED, PINNED_HOST
-from support.dlpack_ctypes import DLManagedTensorVersioned, _api, read_capsule
+from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST
+from support.dlpack_ctypes import DLManagedTensorVersioned, MadeTensor, _api, read_capsule
 
 kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
+READ_ONLY, IS_COPIED = 1, 2  # DLPACK_FLAG_BITMASK_*
 S1, S2 = 0x5000, 0x6000
 MAX_CALLS = 65536  # csrc/copy.c: CDL_COPY_MAX_CALLS
 
@@ -82,7 +83,9 @@ def test_host_copy_of_every_layout(layout, max_version):
     assert fields["device"] == (kDLCPU, 0)
     assert fields["shape"] == source.shape
     assert fields["strides"] == contiguous_strides(source.shape)
-    assert fields.get("flags", 0) == 0  # writable, even where the source is not (broadcast views are read-only)
+    # Writable, even where the source is not (broadcast views are read-only), and said to be a copy where the
+    # capsule can say it (a legacy one has no flags).
+    assert fields.get("flags") == (IS_COPIED if max_version else None)
     np.testing.assert_array_equal(host_values(fields, source.dtype), source)
     if source.size:
         lo, hi = byte_bounds(allocation_of(source))
@@ -254,7 +257,7 @@ def test_device_copy_of_every_layout(cudart, layout):
     fields = read_capsule(capsule)
     assert fields["device"] == (kDLCUDA, 0)
     assert fields["shape"] == source.shape and fields["strides"] == contiguous_strides(source.shape)
-    assert fields["flags"] == 0
+    assert fields["flags"] == IS_COPIED
     np.testing.assert_array_equal(host_values(fields, source.dtype), source)
     lo, hi = byte_bounds(allocation_of(source))
     assert not lo <= fields["data"] < hi
@@ -469,3 +472,238 @@ def test_device_copy_into_a_capture(cudart):
     np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
     del capsule  # freed in relaxed mode too
     assert cudart.violations == 0 and cudart.end_capture(capture)
+
+
+# ---- what a copy says of itself ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["host memory, copy=True", "device memory, copy=True", "device memory to the host"])
+def test_copies_are_flagged_as_copies_and_writable(cudart, where):
+    source = _base()[:, ::2]
+    if where != "host memory, copy=True":
+        register(cudart, allocation_of(source), DEVICE)
+    obj = CaiArray(source, read_only=True) if where != "host memory, copy=True" else None
+    shim = DLPackShim(obj) if obj is not None else DLPackShim(np.broadcast_to(source, source.shape))
+    # Not a copy: the source's own read-only flag and nothing else.
+    assert read_capsule(shim.__dlpack__(max_version=(1, 0)))["flags"] == READ_ONLY
+    asked = {"dl_device": (kDLCPU, 0)} if where == "device memory to the host" else {"copy": True}
+    fields = read_capsule(shim.__dlpack__(max_version=(1, 0), **asked))
+    assert fields["flags"] == IS_COPIED  # the array API: a copy says so; it is the consumer's, so writable
+    assert "flags" not in read_capsule(shim.__dlpack__(**asked))  # a legacy capsule has no way to say it
+    if where == "device memory to the host":
+        copied = np.from_dlpack(shim, device="cpu")
+        assert copied.flags.writeable
+        copied[...] = 0  # numpy took the flags as they are: its own memory
+
+
+# ---- empty arrays: copied by no call, whatever their strides -------------------------------------------------
+
+# (shape, byte strides) of float32 arrays with no elements: torch.empty(0, 100000).t() first.
+EMPTY = [
+    ((100000, 0), (4, 400000)),
+    ((0,), (4,)),
+    ((3, 0, 5), (-20, 4, 200000)),
+    ((0, 70000, 3), (4, 12, 0)),
+    ((70000, 0, 70000), (4, 4, 280000)),
+    ((100000, 5, 0), (4, 0, 8)),  # 500,000 row copies of no rows each, were there any
+]
+
+
+def empty_source(shape, strides, stream=S1):
+    return CaiArray(np.empty(0, np.float32), stream=stream, shape=shape, strides=strides)
+
+
+@pytest.mark.parametrize("shape, strides", EMPTY)
+def test_device_copy_of_an_empty_array(cudart, shape, strides):
+    cudart.clear_log()
+    fields = read_capsule(DLPackShim(empty_source(shape, strides)).__dlpack__(stream=S2, copy=True,
+                                                                              max_version=(1, 0)))
+    assert fields["device"] == (kDLCUDA, 0)
+    assert fields["shape"] == shape and fields["strides"] == contiguous_strides(shape)
+    assert fields["flags"] == IS_COPIED
+    log = cudart.log()
+    assert copies_in(log) == [] and not any("Synchronize" in line or "WaitEvent" in line for line in log)
+
+
+@pytest.mark.parametrize("shape, strides", EMPTY)
+def test_host_copy_of_an_empty_array(cudart, shape, strides):
+    host = np.from_dlpack(DLPackShim(empty_source(shape, strides)), device="cpu")
+    assert host.shape == shape and host.flags.c_contiguous
+    numpy_empty = np.lib.stride_tricks.as_strided(np.empty(1, np.float32), shape, strides)
+    copied = np.from_dlpack(DLPackShim(numpy_empty), copy=True)
+    assert copied.shape == shape and not np.shares_memory(copied, numpy_empty)
+
+
+def test_copy_of_an_empty_array_whose_extents_do_not_fit(cudart):
+    # No extent is measured for an empty array: element strides times the itemsize, and the product of the
+    # extents after the zero, pass 64 bits. The copy multiplies neither (the sanitized build checks it).
+    shape, strides = (0, 2**40, 2**40), (4, 2**42, 4)  # the last two would merge into 2**80 elements
+    source = empty_source(shape, strides)
+    assert read_capsule(DLPackShim(source).__dlpack__(copy=True, max_version=(1, 0)))["shape"] == shape
+    assert read_capsule(DLPackShim(source).__dlpack__(dl_device=(kDLCPU, 0)))["shape"] == shape
+    made = MadeTensor(shape=(0, 3), strides=(2**62, 1))  # 2**62 elements of 4 bytes apart
+    view = dlpack2cai(made.capsule)
+    assert read_capsule(view.__dlpack__(copy=True, max_version=(1, 0)))["shape"] == (0, 3)
+    made = MadeTensor(device=(kDLCUDA, 0), shape=(3, 0), strides=(-(2**62), 2**61))
+    view = dlpack2cai(made.capsule)
+    assert read_capsule(view.__dlpack__(copy=True, max_version=(1, 0)))["shape"] == (3, 0)
+    assert np.from_dlpack(view, device="cpu").shape == (3, 0)
+
+
+# ---- 2D copies within the runtime's bound on pitches (cudaDevAttrMaxPitch) -----------------------------------
+
+
+def test_copies_of_rows_farther_apart_than_the_max_pitch(cudart):
+    source = _base()[:, ::2, 1:3]  # rows of 40 bytes, 160 bytes apart (test_device_copy_calls)
+    register(cudart, allocation_of(source), DEVICE)
+    obj = CaiArray(source, stream=S1)
+    cudart.set_max_pitch(160)  # the bound itself is a pitch the runtime takes
+    cudart.clear_log()
+    DLPackShim(obj).__dlpack__(stream=S2, copy=True)
+    assert copies_in(cudart.log()) == ["cudaMemcpy2DAsync(2 x 40 bytes, pitches 40 160, kind 4, 24576)"] * 2
+    cudart.set_max_pitch(159)  # rows too far apart: one plain copy per row
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(stream=S2, copy=True)
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    assert copies_in(cudart.log()) == ["cudaMemcpyAsync(40 bytes, kind 4, 24576)"] * 4
+    cudart.clear_log()
+    np.testing.assert_array_equal(np.from_dlpack(DLPackShim(obj), device="cpu"), source)
+    assert copies_in(cudart.log()) == [f"cudaMemcpyAsync(40 bytes, kind 4, {S1})"] * 4
+    assert "cudaDeviceGetAttribute(11, 0)" in cudart.log()  # the bound is the device's own
+
+
+def test_copies_of_rows_wider_than_the_max_pitch(cudart):
+    source = _base()[:, ::2, 1:3]
+    register(cudart, allocation_of(source), DEVICE)
+    obj = CaiArray(source, stream=S1)
+    cudart.set_max_pitch(32)  # the 40-byte row is the packed copy's pitch: wider than the bound
+    for asked in ({"stream": S2, "copy": True}, {"dl_device": (kDLCPU, 0)}):
+        cudart.clear_log()
+        capsule = DLPackShim(obj).__dlpack__(**asked)
+        np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+        assert [line.split(",")[0] for line in copies_in(cudart.log())] == ["cudaMemcpyAsync(40 bytes"] * 4
+
+
+def test_host_copy_past_the_call_limit_with_rows_past_the_max_pitch_is_staged(cudart):
+    allocation = np.arange(2 * (MAX_CALLS + 10), dtype=np.float32).reshape(-1, 2)
+    register(cudart, allocation, DEVICE)
+    source = allocation[:, :1]  # rows of 4 bytes, 8 apart: one call each once 8 is past the bound
+    cudart.set_max_pitch(4)
+    cudart.clear_log()
+    np.testing.assert_array_equal(np.from_dlpack(DLPackShim(CaiArray(source, stream=S1)), device="cpu"), source)
+    assert copies_in(cudart.log()) == [f"cudaMemcpyAsync({allocation.nbytes - 4} bytes, kind 4, {S1})"]
+    with pytest.raises(BufferError, match="would take more than 65536 runtime copy calls"):
+        DLPackShim(CaiArray(source, stream=S1)).__dlpack__(copy=True)
+
+
+@pytest.mark.parametrize("asked", [{"copy": True}, {"dl_device": (kDLCPU, 0)}])
+def test_failed_max_pitch_query_raises(cudart, asked):
+    source, obj = device_source(cudart, "strided")
+    cudart.fail("cudaDeviceGetAttribute", 101)
+    cudart.clear_log()
+    with pytest.raises(CudaError, match="cudaDeviceGetAttribute.*cudaErrorInvalidDevice"):
+        DLPackShim(obj).__dlpack__(**asked)
+    assert not any(line.startswith(("cudaMalloc", "cudaMemcpy")) for line in cudart.log())
+
+
+# ---- pinned and managed memory copied for a consumer on another device ---------------------------------------
+
+
+@pytest.mark.parametrize("consumer", [1, 2])
+@pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
+def test_pinned_and_managed_copy_runs_on_the_callers_default_stream(cudart, kind, consumer):
+    # The allocation is device 0's, its producer stream S1 too; the caller works on device 1, where stream 1
+    # (2) is device 1's legacy (per-thread) default stream: the copies must run there, after the producer.
+    source, obj = device_source(cudart, "strided", kind=kind)
+    cudart.add_stream(S1, 0)
+    cudart.current_device = 1
+    cudart.log_context()
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(stream=consumer, copy=True, max_version=(1, 0))
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    log = cudart.log()
+    record = next(i for i, line in enumerate(log) if line.startswith("cudaEventRecord") and f", {S1}) @ctx0" in line)
+    wait = next(i for i, line in enumerate(log) if line.startswith(f"cudaStreamWaitEvent({consumer}, "))
+    assert log[wait].endswith("@ctx1")  # the consumer's stream is the caller's device's
+    copies = [i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync"))]
+    assert copies and record < wait < min(copies)
+    assert all(log[i].endswith(f", {consumer}) @ctx1") for i in copies)  # there, not on device 0's stream
+    assert cudart.context_device == 1  # the caller's context as it was
+
+
+@pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
+def test_pinned_copy_for_the_callers_legacy_stream_after_the_allocations(cudart, kind):
+    # Producer and consumer both say "the legacy stream", but the producer's is the allocation's device's and
+    # the consumer's the caller's: the copies are still ordered after the producer's work.
+    source, obj = device_source(cudart, "contiguous", kind=kind, stream=1)
+    cudart.current_device = 1
+    cudart.log_context()
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(stream=1, copy=True, max_version=(1, 0))
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    log = cudart.log()
+    record = next(i for i, line in enumerate(log)
+                  if line.startswith("cudaEventRecord") and line.endswith(", 1) @ctx0"))
+    wait = next(i for i, line in enumerate(log) if line.startswith("cudaStreamWaitEvent(1, ") and line.endswith("@ctx1"))
+    copies = [i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync"))]
+    assert copies and record < wait < min(copies)
+    assert all(log[i].endswith(", 1) @ctx1") for i in copies)
+
+
+# ---- host copies and graph captures ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("whose", ["another thread's", "this thread's"])
+def test_host_copy_leaves_a_global_capture_whole(cudart, whose):
+    # A capture in global mode (PyTorch's default) on a stream the copy does not use: the copy into pageable
+    # memory and the wait for it are made in relaxed mode, so they neither fail nor invalidate it.
+    source, obj = device_source(cudart, "negative")
+    capture = cudart.begin_capture(S2, mode=GLOBAL, other_thread=whose == "another thread's")
+    cudart.clear_log()
+    np.testing.assert_array_equal(np.from_dlpack(DLPackShim(obj), device="cpu"), source)
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+    assert cudart.thread_capture_mode == GLOBAL  # the thread's mode as it was
+    log = cudart.log()
+    relax = log.index("cudaThreadExchangeStreamCaptureMode(2) -> 0, was 0")
+    sync = log.index(f"cudaStreamSynchronize({S1})")
+    restore = log.index("cudaThreadExchangeStreamCaptureMode(0) -> 0, was 2")
+    assert relax < log.index(copies_in(log)[0]) and sync < restore
+
+
+@pytest.mark.parametrize("consumer", [S2, 2])
+def test_host_copy_refused_while_the_consumers_stream_captures(cudart, consumer):
+    # The consumer's stream captures: a host copy now is not what the graph's launches would read.
+    source, obj = device_source(cudart, "contiguous")
+    capture = cudart.begin_capture(consumer)
+    cudart.clear_log()
+    with pytest.raises(BufferError, match=rf"a host copy \(dl_device=\(1, 0\)\) was asked for with stream={consumer}, "
+                                          rf"which is capturing a CUDA graph \(capture {capture}\): the copy would be "
+                                          r"made once, now, never by the graph's launches"):
+        DLPackShim(obj).__dlpack__(stream=consumer, dl_device=(kDLCPU, 0))
+    assert copies_in(cudart.log()) == [] and not any("Synchronize" in line for line in cudart.log())
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+    capture = cudart.begin_capture(consumer)
+    cudart.invalidate_capture(capture)
+    with pytest.raises(BufferError, match=rf"\(capture {capture}, already invalidated\)"):
+        DLPackShim(obj).__dlpack__(stream=consumer, dl_device=(kDLCPU, 0))
+
+
+def test_host_copy_with_a_consumer_stream_that_cannot_be_asked_raises(cudart):
+    source, obj = device_source(cudart, "contiguous")
+    cudart.fail("cudaStreamGetCaptureInfo", 400)
+    with pytest.raises(CudaError, match="cudaStreamGetCaptureInfo.*cudaErrorInvalidResourceHandle"):
+        DLPackShim(obj).__dlpack__(stream=S2, dl_device=(kDLCPU, 0))
+
+
+def test_pinned_copy_for_the_same_legacy_stream_on_the_allocations_device_is_not_ordered(cudart):
+    # Caller and allocation on one device: producer and consumer "legacy stream" are one stream, nothing to order.
+    source, obj = device_source(cudart, "contiguous", kind=PINNED_HOST, stream=1)
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(stream=1, copy=True, max_version=(1, 0))
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    assert not any(line.startswith(("cudaEventRecord", "cudaStreamWaitEvent")) for line in cudart.log())
+    cudart.fail("cudaGetDevice", 999)  # asking where the caller is fails (reached first by a zero-copy export)
+    cudart.clear_log()
+    with pytest.raises(CudaError, match="^cudaGetDevice failed: cudaErrorUnknown"):
+        DLPackShim(obj).__dlpack__(stream=1)
+    assert cudart.log()[-2:] == ["cudaGetDevice() -> -1", "cudaGetLastError() -> 999"]  # and nothing after it

@@ -51,6 +51,11 @@ static struct { uintptr_t handle; int device; } streams[MAX_REGIONS];
 static int stream_count;
 static int device_count = 4;
 static int last_error;
+/* What cudaDeviceGetAttribute(cudaDevAttrMaxPitch) answers; 2D copies with a wider pitch or row are refused. */
+#define DEFAULT_MAX_PITCH 2147483647
+static size_t max_pitch = DEFAULT_MAX_PITCH;
+/* Each log line ends with the device whose context is current (" @ctx1", " @ctx-1" for none) while set. */
+static int log_context;
 static char log_text[1 << 18];
 static size_t log_length;
 static struct { char name[64]; int code; int remaining; } failures[MAX_FAILURES];
@@ -132,6 +137,7 @@ static const struct { int code; const char *name; const char *text; } error_tabl
     {0, "cudaSuccess", "no error"},
     {1, "cudaErrorInvalidValue", "invalid argument"},
     {2, "cudaErrorMemoryAllocation", "out of memory"},
+    {12, "cudaErrorInvalidPitchValue", "invalid pitch argument"},
     {100, "cudaErrorNoDevice", "no CUDA-capable device is detected"},
     {101, "cudaErrorInvalidDevice", "invalid device ordinal"},
     {400, "cudaErrorInvalidResourceHandle", "invalid resource handle"},
@@ -150,6 +156,9 @@ static void vnote(const char *format, va_list args)
 {
     if (log_length < sizeof(log_text) - 256) {
         log_length += (size_t)vsnprintf(log_text + log_length, sizeof(log_text) - log_length, format, args);
+        if (log_context)
+            log_length += (size_t)snprintf(log_text + log_length, sizeof(log_text) - log_length, " @ctx%d",
+                                           context_device);
         log_text[log_length++] = '\n';
         log_text[log_length] = '\0';
     }
@@ -634,12 +643,30 @@ API cudaError_t cudaMemcpy2DAsync(void *destination, size_t destination_pitch, c
     int code = copy_allowed("cudaMemcpy2DAsync", stream);
     if (code == 0 && (destination_pitch < width || source_pitch < width))
         code = last_error = INVALID_VALUE;
+    if (code == 0 && (destination_pitch > max_pitch || source_pitch > max_pitch))
+        code = last_error = 12; /* cudaErrorInvalidPitchValue: above cudaDevAttrMaxPitch */
     for (size_t row = 0; code == 0 && row < height; row++)
         memmove((char *)destination + row * destination_pitch, (const char *)source + row * source_pitch, width);
     pthread_mutex_unlock(&lock);
     return code;
 }
 
+
+/* Only cudaDevAttrMaxPitch (11) is known here; device is checked as the runtime does. */
+API cudaError_t cudaDeviceGetAttribute(int *value, int attribute, int device)
+{
+    pthread_mutex_lock(&lock);
+    note("cudaDeviceGetAttribute(%d, %d)", attribute, device);
+    int code = injected("cudaDeviceGetAttribute");
+    if (code == 0 && (device < 0 || device >= device_count))
+        code = last_error = INVALID_DEVICE;
+    if (code == 0 && attribute != 11)
+        code = last_error = INVALID_VALUE;
+    if (code == 0)
+        *value = (int)max_pitch;
+    pthread_mutex_unlock(&lock);
+    return code;
+}
 
 /* Streams made here are 0x7000 + n on the current device. */
 API cudaError_t cudaStreamCreate(cudaStream_t *stream)
@@ -992,6 +1019,8 @@ API void double_reset(void)
     capture_count = violations = external_wait_count = 0;
     memset(event_capture, 0, sizeof(event_capture));
     thread_capture_mode = MODE_GLOBAL;
+    max_pitch = DEFAULT_MAX_PITCH;
+    log_context = 0;
     log_length = 0;
     log_text[0] = '\0';
     pthread_mutex_unlock(&lock);
@@ -1039,6 +1068,8 @@ API int double_fail(const char *name, int code, int count)
 }
 
 API int double_current_device(void) { return current_device; }
+API void double_set_max_pitch(size_t pitch) { max_pitch = pitch; }
+API void double_log_context(int on) { log_context = on; }
 /* Device made current with its primary context, as cudaSetDevice would (no log entry). */
 API void double_set_current_device(int device)
 {

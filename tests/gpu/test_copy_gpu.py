@@ -118,3 +118,34 @@ def test_device_copy_needing_a_kernel_is_refused_and_the_host_copy_is_not():
     with pytest.raises(BufferError, match="no kernel of its own"):
         DLPackShim(x).__dlpack__(copy=True)
     np.testing.assert_array_equal(np.from_dlpack(DLPackShim(x), device="cpu"), x.get())
+
+
+def test_copies_are_flagged_as_copies():
+    from support.dlpack_ctypes import read_capsule
+    x = layouts("f4")["strided"]
+    assert read_capsule(DLPackShim(x).__dlpack__(copy=True, max_version=(1, 0)))["flags"] == 2  # IS_COPIED
+    assert read_capsule(DLPackShim(x).__dlpack__(dl_device=(kDLCPU, 0), max_version=(1, 0)))["flags"] == 2
+    assert read_capsule(DLPackShim(x).__dlpack__(max_version=(1, 0)))["flags"] == 0  # shared: no copy
+
+
+def test_device_copy_of_an_empty_transposed_tensor():
+    t = torch.empty(0, 100000, device="cuda").t()  # strides (1, 100000): 100,000 calls of no rows, were it planned
+    copied = torch.from_dlpack(dlpack2cai(DLPackShim(dlpack2cai(t)).__dlpack__(copy=True, max_version=(1, 0))))
+    assert copied.shape == (100000, 0)
+
+
+@pytest.mark.parametrize("what", ["rows farther apart than the max pitch", "rows wider than the max pitch"])
+def test_copies_past_the_max_pitch(what):
+    # cudaDevAttrMaxPitch is 2**31 - 1 on current GPUs: 2D copies of such rows are refused by CUDA.
+    big = 2**31 + 64
+    if cupy.cuda.Device().mem_info[0] < 3 * 2 * big:
+        pytest.skip("needs about 13 GiB of free GPU memory")
+    base = cupy.zeros((2, big), dtype=cupy.uint8)
+    base[:, :16] = cupy.arange(32, dtype=cupy.uint8).reshape(2, 16)
+    base[:, big - 80:big - 64] = 7
+    x = base[:, :16] if what.startswith("rows farther") else base[:, :big - 64]
+    host = np.from_dlpack(DLPackShim(x), device="cpu")
+    np.testing.assert_array_equal(host[:, :16], base[:, :16].get())
+    assert host.shape == x.shape
+    y = cupy.asarray(dlpack2cai(DLPackShim(x).__dlpack__(copy=True, max_version=(1, 0))))
+    assert bool((y == x).all())

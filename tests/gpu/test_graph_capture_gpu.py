@@ -228,6 +228,58 @@ def test_capture_on_a_side_stream_while_another_thread_converts_on_the_legacy_st
     assert set(outcomes) == {expected}
 
 
+def test_host_copy_while_another_thread_captures_in_global_mode():
+    """One thread captures in global mode on a non-blocking stream; another makes a host copy (a copy into
+    pageable memory and a synchronization, which global mode forbids while any thread captures): made in
+    relaxed mode, the copy succeeds and the capture survives."""
+    capture = cupy.cuda.Stream(non_blocking=True)
+    producer = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.arange(N, dtype=cupy.float32)
+    out = cupy.zeros(N, dtype=cupy.float32)
+    cupy.cuda.Device().synchronize()
+    started, stop = threading.Event(), threading.Event()
+    outcomes = []
+
+    def copy_to_host():
+        started.wait()
+        try:
+            outcomes.append(np.from_dlpack(DLPackShim(Wrapped(x, producer.ptr)), device="cpu"))
+        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+            outcomes.append(error)
+
+    thread = threading.Thread(target=copy_to_host)
+    thread.start()
+    with capture:
+        capture.begin_capture(mode=getattr(cupy.cuda.runtime, "streamCaptureModeGlobal", 0))
+        try:
+            started.set()
+            while not outcomes:
+                pass
+            cupy.multiply(x, 2, out=out)
+        finally:
+            stop.set()
+            thread.join()
+            graph = capture.end_capture()  # raises if the host copy invalidated the capture
+    graph.launch(stream=capture)
+    capture.synchronize()
+    assert float(out[-1]) == 2 * (N - 1)
+    assert isinstance(outcomes[0], np.ndarray), outcomes[0]
+    np.testing.assert_array_equal(outcomes[0], x.get())
+
+
+def test_host_copy_for_a_capturing_consumer_stream_is_refused():
+    capture = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.arange(16, dtype=cupy.float32)
+    cupy.cuda.Device().synchronize()
+    with capture:
+        capture.begin_capture()
+        try:
+            with pytest.raises(BufferError, match="which is capturing a CUDA graph"):
+                DLPackShim(x).__dlpack__(stream=capture.ptr, dl_device=(1, 0))
+        finally:
+            capture.end_capture()  # raises if the refusal broke the capture
+
+
 def test_exchange_allocator_inside_a_torch_capture():
     """The exchange API's allocator (through tests/c_api_example) while torch captures in global mode, on the
     capturing thread and on another: device, pinned and managed tensors are made, and some dropped (freed),

@@ -49,6 +49,15 @@ class CudaDouble:
         self.lib.double_end_capture.argtypes = [ctypes.c_ulonglong]
         self.lib.double_invalidate_capture.argtypes = [ctypes.c_ulonglong]
 
+    def set_max_pitch(self, pitch):
+        """What cudaDeviceGetAttribute(cudaDevAttrMaxPitch) answers (2**31 - 1 after reset); cudaMemcpy2DAsync
+        refuses a wider pitch or row with cudaErrorInvalidPitchValue."""
+        self.lib.double_set_max_pitch(ctypes.c_size_t(pitch))
+
+    def log_context(self, on=True):
+        """While on, each log line ends with " @ctxN", N the device whose context is current (-1: none)."""
+        self.lib.double_log_context(int(on))
+
     def reset(self):
         self.lib.double_reset()
 
