@@ -290,6 +290,13 @@ int cdl_array_from_tensor(const DLTensor *t, uint64_t flags, cdl_array *out)
     else {
         (void)cdl_contiguous_strides(t->ndim, out->shape, out->strides); /* wraps only past the count check */
     }
+    /* The pointer handed on is data + byte_offset: a sum past the end of the address space names no memory. */
+    if ((uint64_t)t->byte_offset > UINTPTR_MAX - (uintptr_t)t->data) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack tensor data %p + byte_offset %llu wraps past the end of the address space", t->data,
+                     (unsigned long long)t->byte_offset);
+        return -1;
+    }
     uintptr_t address = (uintptr_t)t->data + (uintptr_t)t->byte_offset;
     int64_t low, high;
     switch (cdl_measure_extent(out, itemsize, &low, &high)) {
@@ -300,6 +307,16 @@ int cdl_array_from_tensor(const DLTensor *t, uint64_t flags, cdl_array *out)
         PyErr_SetString(PyExc_BufferError, "DLPack tensor shape and strides reach outside the address space");
         return -1;
     case CDL_EXTENT_OK:
+        if (t->data == NULL) {
+            /* A tensor with elements needs memory; only an empty one may name none (producers give those NULL). */
+            int64_t count = 1;
+            for (int32_t i = 0; i < t->ndim; i++)
+                count *= out->shape[i]; /* the measure found no overflow */
+            PyErr_Format(PyExc_BufferError,
+                         "DLPack tensor data is NULL (byte_offset %llu) but the tensor has %lld elements",
+                         (unsigned long long)t->byte_offset, (long long)count);
+            return -1;
+        }
         if (!cdl_extent_fits(address, low, high)) {
             PyErr_Format(PyExc_BufferError,
                          "DLPack tensor data %p + byte_offset %llu with its shape and strides reaches outside the "
