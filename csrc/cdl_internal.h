@@ -283,6 +283,9 @@ int cdl_legacy_stream_unusable(void);
  * or -1 with CudaError while a blocking stream of that device captures a graph (launching on the legacy
  * stream would invalidate the capture); NULL without a call for other devices. */
 int cdl_current_work_stream(DLDeviceType device_type, int32_t device_id, void **out);
+/* The calling thread's serial: a number no other thread of the process ever has, unlike its ident, which
+ * the OS reuses once a thread exits. Never 0. */
+unsigned long long cdl_thread_serial(void);
 void cdl_stream_options_init(void);
 PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 

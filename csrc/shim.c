@@ -2,13 +2,11 @@
  * protocol, reading the wrapped object's interface once per conversion. */
 #include "cdl_internal.h"
 
-#include "pythread.h"
-
 /* What __dlpack_device__ read, for the next __dlpack__ of the same shim on the same thread. */
 struct cdl_shim_reading {
     cdl_array arr;
     PyObject *keepalive;
-    unsigned long thread;
+    unsigned long long thread; /* the serial of the thread that read it (an ident is reused after exit) */
 };
 
 static void cdl_reading_free(cdl_shim_reading *reading)
@@ -113,7 +111,7 @@ static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize
 {
     PyObject *values[4];
     cdl_shim_reading *reading = cdl_shim_take_reading(self);
-    if (reading != NULL && reading->thread != PyThread_get_thread_ident()) {
+    if (reading != NULL && reading->thread != cdl_thread_serial()) {
         cdl_reading_free(reading); /* another thread's half conversion: read afresh */
         reading = NULL;
     }
@@ -177,7 +175,7 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
         cdl_reading_free(reading);
         return NULL;
     }
-    reading->thread = PyThread_get_thread_ident();
+    reading->thread = cdl_thread_serial();
     cdl_reading_free(__atomic_exchange_n(&self->pending, reading, __ATOMIC_ACQ_REL));
     return device;
 }
