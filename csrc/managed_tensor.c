@@ -63,11 +63,25 @@ static void cdl_free_block(cdl_export_block *block)
     PyMem_Free(block);
 }
 
+/* Whether the calling thread holds the GIL (on a free-threaded build: has an attached thread state).
+ * PyGILState_Check cannot say: CPython switches it off (it answers 1 everywhere) once any subinterpreter has
+ * been made. The current thread state can: before 3.12 it is the process's (the GIL holder's, whichever
+ * thread that is), from 3.12 the calling thread's while attached, so it must exist and be this thread's. */
+static int cdl_thread_holds_gil(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    PyThreadState *state = PyThreadState_GetUnchecked();
+#else
+    PyThreadState *state = _PyThreadState_UncheckedGet();
+#endif
+    return state != NULL && state->thread_id == PyThread_get_thread_ident();
+}
+
 /* Runs on any thread, with or without the GIL, possibly during interpreter shutdown. */
 static void cdl_release_block(cdl_export_block *block)
 {
     if (Py_IsInitialized() && !cdl_interpreter_finalizing()) {
-        if (PyGILState_Check()) {
+        if (cdl_thread_holds_gil()) {
             cdl_free_block(block); /* the common case: a capsule or view dying under the GIL */
         }
         else {
