@@ -19,7 +19,9 @@ static int cdl_array_of(PyObject *obj, cdl_array *arr, PyObject **owner, PyObjec
     const int shim = PyObject_TypeCheck(obj, &cdl_shim_type);
     if (shim)
         cdl_shim_drop_reading((cdl_shim *)obj);
-    *owner = shim ? ((cdl_shim *)obj)->obj : obj;
+    *owner = shim ? cdl_shim_wrapped((cdl_shim *)obj) : obj;
+    if (*owner == NULL)
+        return -1;
     return cdl_array_from_object(*owner, shim ? cdl_shim_dtype((cdl_shim *)obj) : NULL, arr, keepalive);
 }
 

@@ -424,7 +424,7 @@ int cdl_view_from_exchange_api(PyObject *obj, int64_t consumer, PyObject **view)
 typedef struct cdl_shim_reading cdl_shim_reading;
 typedef struct {
     PyObject_HEAD
-    PyObject *obj;         /* the wrapped CAI or array-interface object */
+    PyObject *obj;         /* the wrapped CAI or array-interface object; NULL once tp_clear ran */
     PyObject *weakreflist;
     int64_t *dims;         /* shape and strides lent by the exchange API's DLTensor call; made on first use */
     DLDataType dtype;      /* the dtype= the shim was made with; bits 0: none */
@@ -435,6 +435,9 @@ typedef struct {
 extern PyTypeObject cdl_shim_type;
 /* The shim's dtype=, or NULL. */
 static inline const DLDataType *cdl_shim_dtype(const cdl_shim *shim) { return shim->dtype.bits ? &shim->dtype : NULL; }
+/* The wrapped object (borrowed), or NULL with BufferError once the garbage collector has cleared the shim
+ * (tp_clear, breaking a reference cycle; C code may still reach it there). */
+PyObject *cdl_shim_wrapped(cdl_shim *shim);
 /* Drops what __dlpack_device__ read, if anything: a conversion other than __dlpack__ is starting. */
 void cdl_shim_drop_reading(cdl_shim *shim);
 int cdl_shim_type_init(void);

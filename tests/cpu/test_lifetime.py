@@ -91,6 +91,31 @@ def test_shim_keeps_its_object_and_breaks_cycles():
     assert ref() is None
 
 
+def test_a_shim_cleared_by_the_garbage_collector_refuses_clearly(cudart):
+    """The collector breaks a cycle through a shim with the shim's tp_clear, which drops its object; C code
+    (another extension's tp_clear or finalizer, the C API, the exchange table) can still reach the shim then.
+    Called here as the collector calls it, on a shim in a cycle; every door must refuse, never crash."""
+    from support import c_example, doors
+
+    owner = HostOwner()
+    owner.shim = shim = DLPackShim(owner)  # the cycle the collector would break
+    _api.PyType_GetSlot.restype = ctypes.c_void_p
+    _api.PyType_GetSlot.argtypes = [ctypes.py_object, ctypes.c_int]
+    tp_clear = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.py_object)(_api.PyType_GetSlot(DLPackShim, 51))  # Py_tp_clear
+    assert tp_clear(shim) == 0
+    assert shim.obj is None and repr(shim) == "cai_dlpack.DLPackShim(<cleared>)"
+    example = c_example.build()
+    doors_calls = [shim.__dlpack_device__, shim.__dlpack__, lambda: dlpack2cai(shim), lambda: example.fill(shim, -1),
+                   lambda: example.managed(shim, 1), lambda: example.exchange_dltensor(shim),
+                   lambda: doors.managed_from_object(shim)]
+    for call in doors_calls:
+        with pytest.raises(BufferError, match="this DLPackShim wraps nothing any more: the garbage collector "
+                                              "cleared it"):
+            call()
+    del owner, shim
+    gc.collect()
+
+
 def test_made_tensor_deleted_exactly_once_by_view():
     made = MadeTensor(data=np.zeros(4).__array_interface__["data"][0], shape=(4,), dtype=(2, 64, 1))
     view = dlpack2cai(made.capsule)
