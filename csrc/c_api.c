@@ -58,7 +58,7 @@ static int cdl_release_borrowed_buffer(PyObject *owner, PyObject *keepalive)
     return dying ? -1 : 0;
 }
 
-/* Whether obj's type speaks either array interface. */
+/* Whether obj's type speaks either array interface (presence only: the borrowed results are never read). */
 static int cdl_has_interface(PyObject *obj)
 {
     return _PyType_Lookup(Py_TYPE(obj), cdl_name.cuda_array_interface) != NULL ||

@@ -26,6 +26,20 @@
 #define cdl_lookup_attribute _PyObject_LookupAttr
 #endif
 
+/* type.<name> through its MRO as a new reference, or NULL when absent (never an exception: name is an
+ * interned str). _PyType_Lookup's result is borrowed from the type's dict, which another thread may change
+ * (freeing it) on a free-threaded build: anything read from the result holds it, through the interpreter's
+ * own safe lookup on 3.13+ (the GIL keeps it alive before). Asking only whether a name is there
+ * (_PyType_Lookup(...) != NULL, the pointer never read) is safe as it is. */
+static inline PyObject *cdl_type_lookup(PyTypeObject *type, PyObject *name)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return _PyType_LookupRef(type, name);
+#else
+    return Py_XNewRef(_PyType_Lookup(type, name));
+#endif
+}
+
 /* A critical section on one object (3.13+): without the GIL, a list, dict or capsule another thread may change
  * is read whole or not at all. With the GIL (and before 3.13) a plain block. Never left by return or goto. */
 #if PY_VERSION_HEX >= 0x030D0000

@@ -110,16 +110,18 @@ const DLPackExchangeAPI *cdl_producer_exchange_api(PyObject *obj)
         return NULL; /* ours: their __dlpack__ orders the consumer's stream directly */
     PyTypeObject *type = Py_TYPE(obj);
     const DLPackExchangeAPIHeader *header = NULL;
-    PyObject *published = _PyType_Lookup(type, cdl_name.exchange_api);
+    /* Held while read: the table it points at is the producer module's, the capsule only the type's. */
+    PyObject *published = cdl_type_lookup(type, cdl_name.exchange_api);
     if (published != NULL) {
         if (PyCapsule_IsValid(published, "dlpack_exchange_api"))
             header = PyCapsule_GetPointer(published, "dlpack_exchange_api");
     }
-    else if ((published = _PyType_Lookup(type, cdl_name.exchange_api_address)) != NULL && PyLong_CheckExact(published)) {
+    else if ((published = cdl_type_lookup(type, cdl_name.exchange_api_address)) != NULL && PyLong_CheckExact(published)) {
         header = PyLong_AsVoidPtr(published);
         if (header == NULL)
             PyErr_Clear(); /* not an address: the table is unusable, __dlpack__ is asked */
     }
+    Py_XDECREF(published);
     /* A table of a newer major version may chain to an older one this build reads. */
     while (header != NULL && header->version.major != DLPACK_MAJOR_VERSION)
         header = header->prev_api;
@@ -132,10 +134,12 @@ const DLPackExchangeAPI *cdl_producer_exchange_api(PyObject *obj)
 /* The truth of obj.<name> (a method is called), 0 when obj's type has no such attribute, or -1. */
 static int cdl_flag_of(PyObject *obj, PyObject *name)
 {
-    PyObject *attribute = _PyType_Lookup(Py_TYPE(obj), name);
+    PyObject *attribute = cdl_type_lookup(Py_TYPE(obj), name);
     if (attribute == NULL)
         return 0;
-    PyObject *value = PyCallable_Check(attribute) ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    const int callable = PyCallable_Check(attribute);
+    Py_DECREF(attribute);
+    PyObject *value = callable ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
     if (value == NULL)
         return -1;
     int truth = PyObject_IsTrue(value);

@@ -158,7 +158,8 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
         return NULL;
     if (found == 0) {
         /* Array-interface memory is host memory: nothing needs reading to say so (NumPy would build its
-         * dict on each access). The type's attribute is asked first, an instance's only when it has none. */
+         * dict on each access). The type's attribute is asked first (presence only: the borrowed result is
+         * never read), an instance's only when it has none. */
         if (_PyType_Lookup(Py_TYPE(obj), cdl_name.array_interface) != NULL)
             return Py_NewRef(cdl_host_device);
         if ((found = cdl_lookup_attribute(obj, cdl_name.array_interface, &iface)) < 0)
