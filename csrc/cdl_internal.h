@@ -286,6 +286,11 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer);
  * legacy stream and a blocking stream of device captures), since CAI consumers synchronize the stream they
  * are given and a capture forbids that. One capture query; none for stream 0 or host memory. 0 or -1. */
 int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out);
+/* Makes a host read of device-accessible memory (pinned, managed) safe: waits (host blocked, GIL released) for
+ * stream, on which a DLPackView's producer made the data ready, since host readers (the array interface, the
+ * buffer protocol) know no stream. Nothing for stream 0 (none, or -1: the caller took the duty), host memory,
+ * or sync=False; CudaError, nothing called, while the stream captures a graph. 0 or -1. */
+int cdl_wait_for_host_read(int64_t stream, DLDevice device);
 /* Refuses the legacy default stream of a device (device_type, device_id as DLPack gives them; the caller's
  * device for pinned and managed memory) with CudaError naming what (for example "the exchange API's work
  * stream is") while a blocking stream there captures a graph. 0 or -1. */

@@ -11,6 +11,7 @@ typedef struct {
     DLDevice device;
     int read_only;
     int64_t stream;         /* the stream the producer made the data ready on; 0: none (no sync asked) */
+    int host_ready;         /* the host has waited for stream once (pinned, managed memory): atomic */
     PyObject *shape;        /* tuple */
     PyObject *strides;      /* tuple of byte strides, or None for C-contiguous (always for empty arrays) */
     PyObject *typestr;
@@ -83,6 +84,7 @@ static PyObject *cdl_view_from_record(cdl_managed managed, const cdl_array *arr,
     view->device = arr->device;
     view->read_only = arr->read_only;
     view->stream = stream == CDL_STREAM_NO_SYNC ? 0 : stream;
+    view->host_ready = 0;
     view->shape = view->strides = view->typestr = view->data = NULL;
     view->weakreflist = NULL;
     if (cdl_view_describe(view, arr, cdl_managed_tensor(managed)->strides != NULL) < 0) {
@@ -360,6 +362,18 @@ static PyObject *cdl_view_get_cai(cdl_view *self, void *closure)
     return cdl_view_interface(self, 1);
 }
 
+/* Host readers know no stream: before the first host pointer of pinned or managed memory is handed out, the
+ * host waits for the stream the producer made the data ready on (once per view; the data is ready for good). */
+static int cdl_view_ready_for_host(cdl_view *self)
+{
+    if (__atomic_load_n(&self->host_ready, __ATOMIC_ACQUIRE))
+        return 0;
+    if (cdl_wait_for_host_read(self->stream, self->device) < 0)
+        return -1;
+    __atomic_store_n(&self->host_ready, 1, __ATOMIC_RELEASE);
+    return 0;
+}
+
 static PyObject *cdl_view_get_array_interface(cdl_view *self, void *closure)
 {
     (void)closure;
@@ -369,6 +383,8 @@ static PyObject *cdl_view_get_array_interface(cdl_view *self, void *closure)
                         "__cuda_array_interface__ or __dlpack__");
         return NULL;
     }
+    if (cdl_view_ready_for_host(self) < 0)
+        return NULL;
     return cdl_view_interface(self, 0);
 }
 
@@ -410,6 +426,8 @@ static int cdl_view_getbuffer(cdl_view *self, Py_buffer *buffer, int flags)
             return -1;
         }
     }
+    if (cdl_view_ready_for_host(self) < 0)
+        return -1;
     buffer->buf = (char *)t->data + t->byte_offset;
     buffer->len = (Py_ssize_t)length;
     buffer->readonly = self->read_only;
