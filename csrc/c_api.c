@@ -19,7 +19,9 @@ static int cdl_array_of(PyObject *obj, cdl_array *arr, PyObject **owner, PyObjec
     const int shim = PyObject_TypeCheck(obj, &cdl_shim_type);
     if (shim)
         cdl_shim_drop_reading((cdl_shim *)obj);
-    *owner = shim ? ((cdl_shim *)obj)->obj : obj;
+    *owner = shim ? cdl_shim_wrapped((cdl_shim *)obj) : obj;
+    if (*owner == NULL)
+        return -1;
     return cdl_array_from_object(*owner, shim ? cdl_shim_dtype((cdl_shim *)obj) : NULL, arr, keepalive);
 }
 
@@ -56,7 +58,7 @@ static int cdl_release_borrowed_buffer(PyObject *owner, PyObject *keepalive)
     return dying ? -1 : 0;
 }
 
-/* Whether obj's type speaks either array interface. */
+/* Whether obj's type speaks either array interface (presence only: the borrowed results are never read). */
 static int cdl_has_interface(PyObject *obj)
 {
     return _PyType_Lookup(Py_TYPE(obj), cdl_name.cuda_array_interface) != NULL ||
@@ -251,6 +253,19 @@ static int cdl_exchange_from_object(void *py_object, DLManagedTensorVersioned **
     return cdl_api_to_managed_tensor((PyObject *)py_object, CDL_STREAM_LEGACY, out);
 }
 
+/* A DLTensor has no flags: lent read-only memory would look writable to the consumer, so it is refused
+ * (BufferError, the exchange API's word for data DLPack cannot describe); the managed tensor carries
+ * DLPACK_FLAG_BITMASK_READ_ONLY. Returns -1. */
+static int cdl_refuse_read_only_dltensor(PyObject *obj)
+{
+    PyErr_Format(PyExc_BufferError,
+                 "this %.200s's memory is read-only, which a DLTensor cannot say (it has no flags), so "
+                 "dltensor_from_py_object_no_sync does not lend it; managed_tensor_from_py_object_no_sync gives a "
+                 "tensor flagged DLPACK_FLAG_BITMASK_READ_ONLY",
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
 static int cdl_exchange_dltensor_from_object(void *py_object, DLTensor *out)
 {
     PyObject *obj = py_object;
@@ -258,6 +273,8 @@ static int cdl_exchange_dltensor_from_object(void *py_object, DLTensor *out)
         /* The view's own tensor: borrowed shape and strides, nothing to copy. */
         cdl_array arr;
         cdl_array_from_view(obj, &arr);
+        if (arr.read_only)
+            return cdl_refuse_read_only_dltensor(obj);
         if (cdl_order_streams(&arr, CDL_STREAM_LEGACY) < 0)
             return -1;
         *out = *cdl_view_tensor(obj);
@@ -287,7 +304,10 @@ static int cdl_exchange_dltensor_from_object(void *py_object, DLTensor *out)
             dims = expected;
         }
     }
-    return cdl_api_fill_tensor(obj, CDL_STREAM_LEGACY, out, dims, dims + CDL_MAX_NDIM, CDL_MAX_NDIM, NULL);
+    int read_only = 0;
+    if (cdl_api_fill_tensor(obj, CDL_STREAM_LEGACY, out, dims, dims + CDL_MAX_NDIM, CDL_MAX_NDIM, &read_only) < 0)
+        return -1;
+    return read_only ? cdl_refuse_read_only_dltensor(obj) : 0;
 }
 
 static int cdl_exchange_to_object(DLManagedTensorVersioned *tensor, void **out_py_object)

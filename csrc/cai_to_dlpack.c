@@ -477,8 +477,10 @@ static int cdl_has_native_array_buffer(PyObject *obj)
     PyBufferProcs *procs = Py_TYPE(obj)->tp_as_buffer;
     if (procs == NULL || procs->bf_getbuffer == NULL)
         return 0;
-    PyObject *descriptor = _PyType_Lookup(Py_TYPE(obj), cdl_name.array_interface);
-    return descriptor != NULL && Py_IS_TYPE(descriptor, &PyGetSetDescr_Type);
+    PyObject *descriptor = cdl_type_lookup(Py_TYPE(obj), cdl_name.array_interface);
+    int native = descriptor != NULL && Py_IS_TYPE(descriptor, &PyGetSetDescr_Type);
+    Py_XDECREF(descriptor);
+    return native;
 }
 
 /* dict[key] as a new reference, or NULL (absent, or an error set). */

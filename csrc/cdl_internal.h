@@ -26,6 +26,20 @@
 #define cdl_lookup_attribute _PyObject_LookupAttr
 #endif
 
+/* type.<name> through its MRO as a new reference, or NULL when absent (never an exception: name is an
+ * interned str). _PyType_Lookup's result is borrowed from the type's dict, which another thread may change
+ * (freeing it) on a free-threaded build: anything read from the result holds it, through the interpreter's
+ * own safe lookup on 3.13+ (the GIL keeps it alive before). Asking only whether a name is there
+ * (_PyType_Lookup(...) != NULL, the pointer never read) is safe as it is. */
+static inline PyObject *cdl_type_lookup(PyTypeObject *type, PyObject *name)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return _PyType_LookupRef(type, name);
+#else
+    return Py_XNewRef(_PyType_Lookup(type, name));
+#endif
+}
+
 /* A critical section on one object (3.13+): without the GIL, a list, dict or capsule another thread may change
  * is read whole or not at all. With the GIL (and before 3.13) a plain block. Never left by return or goto. */
 #if PY_VERSION_HEX >= 0x030D0000
@@ -272,6 +286,11 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer);
  * legacy stream and a blocking stream of device captures), since CAI consumers synchronize the stream they
  * are given and a capture forbids that. One capture query; none for stream 0 or host memory. 0 or -1. */
 int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out);
+/* Makes a host read of device-accessible memory (pinned, managed) safe: waits (host blocked, GIL released) for
+ * stream, on which a DLPackView's producer made the data ready, since host readers (the array interface, the
+ * buffer protocol) know no stream. Nothing for stream 0 (none, or -1: the caller took the duty), host memory,
+ * or sync=False; CudaError, nothing called, while the stream captures a graph. 0 or -1. */
+int cdl_wait_for_host_read(int64_t stream, DLDevice device);
 /* Refuses the legacy default stream of a device (device_type, device_id as DLPack gives them; the caller's
  * device for pinned and managed memory) with CudaError naming what (for example "the exchange API's work
  * stream is") while a blocking stream there captures a graph. 0 or -1. */
@@ -283,6 +302,9 @@ int cdl_legacy_stream_unusable(void);
  * or -1 with CudaError while a blocking stream of that device captures a graph (launching on the legacy
  * stream would invalidate the capture); NULL without a call for other devices. */
 int cdl_current_work_stream(DLDeviceType device_type, int32_t device_id, void **out);
+/* The calling thread's serial: a number no other thread of the process ever has, unlike its ident, which
+ * the OS reuses once a thread exits. Never 0. */
+unsigned long long cdl_thread_serial(void);
 void cdl_stream_options_init(void);
 PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
@@ -423,7 +445,7 @@ int cdl_view_from_exchange_api(PyObject *obj, int64_t consumer, PyObject **view)
 typedef struct cdl_shim_reading cdl_shim_reading;
 typedef struct {
     PyObject_HEAD
-    PyObject *obj;         /* the wrapped CAI or array-interface object */
+    PyObject *obj;         /* the wrapped CAI or array-interface object; NULL once tp_clear ran */
     PyObject *weakreflist;
     int64_t *dims;         /* shape and strides lent by the exchange API's DLTensor call; made on first use */
     DLDataType dtype;      /* the dtype= the shim was made with; bits 0: none */
@@ -434,6 +456,9 @@ typedef struct {
 extern PyTypeObject cdl_shim_type;
 /* The shim's dtype=, or NULL. */
 static inline const DLDataType *cdl_shim_dtype(const cdl_shim *shim) { return shim->dtype.bits ? &shim->dtype : NULL; }
+/* The wrapped object (borrowed), or NULL with BufferError once the garbage collector has cleared the shim
+ * (tp_clear, breaking a reference cycle; C code may still reach it there). */
+PyObject *cdl_shim_wrapped(cdl_shim *shim);
 /* Drops what __dlpack_device__ read, if anything: a conversion other than __dlpack__ is starting. */
 void cdl_shim_drop_reading(cdl_shim *shim);
 int cdl_shim_type_init(void);

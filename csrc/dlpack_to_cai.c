@@ -11,6 +11,7 @@ typedef struct {
     DLDevice device;
     int read_only;
     int64_t stream;         /* the stream the producer made the data ready on; 0: none (no sync asked) */
+    int host_ready;         /* the host has waited for stream once (pinned, managed memory): atomic */
     PyObject *shape;        /* tuple */
     PyObject *strides;      /* tuple of byte strides, or None for C-contiguous (always for empty arrays) */
     PyObject *typestr;
@@ -83,6 +84,7 @@ static PyObject *cdl_view_from_record(cdl_managed managed, const cdl_array *arr,
     view->device = arr->device;
     view->read_only = arr->read_only;
     view->stream = stream == CDL_STREAM_NO_SYNC ? 0 : stream;
+    view->host_ready = 0;
     view->shape = view->strides = view->typestr = view->data = NULL;
     view->weakreflist = NULL;
     if (cdl_view_describe(view, arr, cdl_managed_tensor(managed)->strides != NULL) < 0) {
@@ -110,16 +112,18 @@ const DLPackExchangeAPI *cdl_producer_exchange_api(PyObject *obj)
         return NULL; /* ours: their __dlpack__ orders the consumer's stream directly */
     PyTypeObject *type = Py_TYPE(obj);
     const DLPackExchangeAPIHeader *header = NULL;
-    PyObject *published = _PyType_Lookup(type, cdl_name.exchange_api);
+    /* Held while read: the table it points at is the producer module's, the capsule only the type's. */
+    PyObject *published = cdl_type_lookup(type, cdl_name.exchange_api);
     if (published != NULL) {
         if (PyCapsule_IsValid(published, "dlpack_exchange_api"))
             header = PyCapsule_GetPointer(published, "dlpack_exchange_api");
     }
-    else if ((published = _PyType_Lookup(type, cdl_name.exchange_api_address)) != NULL && PyLong_CheckExact(published)) {
+    else if ((published = cdl_type_lookup(type, cdl_name.exchange_api_address)) != NULL && PyLong_CheckExact(published)) {
         header = PyLong_AsVoidPtr(published);
         if (header == NULL)
             PyErr_Clear(); /* not an address: the table is unusable, __dlpack__ is asked */
     }
+    Py_XDECREF(published);
     /* A table of a newer major version may chain to an older one this build reads. */
     while (header != NULL && header->version.major != DLPACK_MAJOR_VERSION)
         header = header->prev_api;
@@ -132,10 +136,12 @@ const DLPackExchangeAPI *cdl_producer_exchange_api(PyObject *obj)
 /* The truth of obj.<name> (a method is called), 0 when obj's type has no such attribute, or -1. */
 static int cdl_flag_of(PyObject *obj, PyObject *name)
 {
-    PyObject *attribute = _PyType_Lookup(Py_TYPE(obj), name);
+    PyObject *attribute = cdl_type_lookup(Py_TYPE(obj), name);
     if (attribute == NULL)
         return 0;
-    PyObject *value = PyCallable_Check(attribute) ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    const int callable = PyCallable_Check(attribute);
+    Py_DECREF(attribute);
+    PyObject *value = callable ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
     if (value == NULL)
         return -1;
     int truth = PyObject_IsTrue(value);
@@ -356,6 +362,18 @@ static PyObject *cdl_view_get_cai(cdl_view *self, void *closure)
     return cdl_view_interface(self, 1);
 }
 
+/* Host readers know no stream: before the first host pointer of pinned or managed memory is handed out, the
+ * host waits for the stream the producer made the data ready on (once per view; the data is ready for good). */
+static int cdl_view_ready_for_host(cdl_view *self)
+{
+    if (__atomic_load_n(&self->host_ready, __ATOMIC_ACQUIRE))
+        return 0;
+    if (cdl_wait_for_host_read(self->stream, self->device) < 0)
+        return -1;
+    __atomic_store_n(&self->host_ready, 1, __ATOMIC_RELEASE);
+    return 0;
+}
+
 static PyObject *cdl_view_get_array_interface(cdl_view *self, void *closure)
 {
     (void)closure;
@@ -365,6 +383,8 @@ static PyObject *cdl_view_get_array_interface(cdl_view *self, void *closure)
                         "__cuda_array_interface__ or __dlpack__");
         return NULL;
     }
+    if (cdl_view_ready_for_host(self) < 0)
+        return NULL;
     return cdl_view_interface(self, 0);
 }
 
@@ -406,6 +426,8 @@ static int cdl_view_getbuffer(cdl_view *self, Py_buffer *buffer, int flags)
             return -1;
         }
     }
+    if (cdl_view_ready_for_host(self) < 0)
+        return -1;
     buffer->buf = (char *)t->data + t->byte_offset;
     buffer->len = (Py_ssize_t)length;
     buffer->readonly = self->read_only;

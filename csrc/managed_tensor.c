@@ -63,11 +63,25 @@ static void cdl_free_block(cdl_export_block *block)
     PyMem_Free(block);
 }
 
+/* Whether the calling thread holds the GIL (on a free-threaded build: has an attached thread state).
+ * PyGILState_Check cannot say: CPython switches it off (it answers 1 everywhere) once any subinterpreter has
+ * been made. The current thread state can: before 3.12 it is the process's (the GIL holder's, whichever
+ * thread that is), from 3.12 the calling thread's while attached, so it must exist and be this thread's. */
+static int cdl_thread_holds_gil(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    PyThreadState *state = PyThreadState_GetUnchecked();
+#else
+    PyThreadState *state = _PyThreadState_UncheckedGet();
+#endif
+    return state != NULL && state->thread_id == PyThread_get_thread_ident();
+}
+
 /* Runs on any thread, with or without the GIL, possibly during interpreter shutdown. */
 static void cdl_release_block(cdl_export_block *block)
 {
     if (Py_IsInitialized() && !cdl_interpreter_finalizing()) {
-        if (PyGILState_Check()) {
+        if (cdl_thread_holds_gil()) {
             cdl_free_block(block); /* the common case: a capsule or view dying under the GIL */
         }
         else {
@@ -294,6 +308,13 @@ int cdl_array_from_tensor(const DLTensor *t, uint64_t flags, cdl_array *out)
     else {
         (void)cdl_contiguous_strides(t->ndim, out->shape, out->strides); /* wraps only past the count check */
     }
+    /* The pointer handed on is data + byte_offset: a sum past the end of the address space names no memory. */
+    if ((uint64_t)t->byte_offset > UINTPTR_MAX - (uintptr_t)t->data) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack tensor data %p + byte_offset %llu wraps past the end of the address space", t->data,
+                     (unsigned long long)t->byte_offset);
+        return -1;
+    }
     uintptr_t address = (uintptr_t)t->data + (uintptr_t)t->byte_offset;
     int64_t low, high;
     switch (cdl_measure_extent(out, itemsize, &low, &high)) {
@@ -304,6 +325,16 @@ int cdl_array_from_tensor(const DLTensor *t, uint64_t flags, cdl_array *out)
         PyErr_SetString(PyExc_BufferError, "DLPack tensor shape and strides reach outside the address space");
         return -1;
     case CDL_EXTENT_OK:
+        if (t->data == NULL) {
+            /* A tensor with elements needs memory; only an empty one may name none (producers give those NULL). */
+            int64_t count = 1;
+            for (int32_t i = 0; i < t->ndim; i++)
+                count *= out->shape[i]; /* the measure found no overflow */
+            PyErr_Format(PyExc_BufferError,
+                         "DLPack tensor data is NULL (byte_offset %llu) but the tensor has %lld elements",
+                         (unsigned long long)t->byte_offset, (long long)count);
+            return -1;
+        }
         if (!cdl_extent_fits(address, low, high)) {
             PyErr_Format(PyExc_BufferError,
                          "DLPack tensor data %p + byte_offset %llu with its shape and strides reaches outside the "

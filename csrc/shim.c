@@ -2,13 +2,11 @@
  * protocol, reading the wrapped object's interface once per conversion. */
 #include "cdl_internal.h"
 
-#include "pythread.h"
-
 /* What __dlpack_device__ read, for the next __dlpack__ of the same shim on the same thread. */
 struct cdl_shim_reading {
     cdl_array arr;
     PyObject *keepalive;
-    unsigned long thread;
+    unsigned long long thread; /* the serial of the thread that read it (an ident is reused after exit) */
 };
 
 static void cdl_reading_free(cdl_shim_reading *reading)
@@ -28,6 +26,14 @@ static cdl_shim_reading *cdl_shim_take_reading(cdl_shim *shim)
 void cdl_shim_drop_reading(cdl_shim *shim) { cdl_reading_free(cdl_shim_take_reading(shim)); }
 
 static PyObject *cdl_host_device; /* (kDLCPU, 0) */
+
+PyObject *cdl_shim_wrapped(cdl_shim *shim)
+{
+    if (shim->obj == NULL)
+        PyErr_SetString(PyExc_BufferError, "this DLPackShim wraps nothing any more: the garbage collector cleared it "
+                                           "while breaking a reference cycle, so it has no memory to export");
+    return shim->obj;
+}
 
 static PyObject *cdl_shim_make(PyTypeObject *type, PyObject *obj, PyObject *dtype)
 {
@@ -112,8 +118,11 @@ static void cdl_shim_dealloc(cdl_shim *self)
 static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     PyObject *values[4];
+    PyObject *obj = cdl_shim_wrapped(self); /* borrowed: the shim holds it */
+    if (obj == NULL)
+        return NULL;
     cdl_shim_reading *reading = cdl_shim_take_reading(self);
-    if (reading != NULL && reading->thread != PyThread_get_thread_ident()) {
+    if (reading != NULL && reading->thread != cdl_thread_serial()) {
         cdl_reading_free(reading); /* another thread's half conversion: read afresh */
         reading = NULL;
     }
@@ -128,10 +137,10 @@ static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize
         keepalive = reading->keepalive;
         reading->keepalive = NULL;
     }
-    else if (cdl_array_from_object(self->obj, cdl_shim_dtype(self), &fresh, &keepalive) < 0) {
+    else if (cdl_array_from_object(obj, cdl_shim_dtype(self), &fresh, &keepalive) < 0) {
         return NULL;
     }
-    PyObject *capsule = cdl_export(arr, self->obj, keepalive, values[0], values[1], values[2], values[3]);
+    PyObject *capsule = cdl_export(arr, obj, keepalive, values[0], values[1], values[2], values[3]);
     Py_XDECREF(keepalive);
     cdl_reading_free(reading);
     return capsule;
@@ -140,16 +149,20 @@ static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize
 static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
 {
     (void)unused;
+    PyObject *obj = cdl_shim_wrapped(self); /* borrowed: the shim holds it */
+    if (obj == NULL)
+        return NULL;
     PyObject *iface;
-    int found = cdl_lookup_attribute(self->obj, cdl_name.cuda_array_interface, &iface);
+    int found = cdl_lookup_attribute(obj, cdl_name.cuda_array_interface, &iface);
     if (found < 0)
         return NULL;
     if (found == 0) {
         /* Array-interface memory is host memory: nothing needs reading to say so (NumPy would build its
-         * dict on each access). The type's attribute is asked first, an instance's only when it has none. */
-        if (_PyType_Lookup(Py_TYPE(self->obj), cdl_name.array_interface) != NULL)
+         * dict on each access). The type's attribute is asked first (presence only: the borrowed result is
+         * never read), an instance's only when it has none. */
+        if (_PyType_Lookup(Py_TYPE(obj), cdl_name.array_interface) != NULL)
             return Py_NewRef(cdl_host_device);
-        if ((found = cdl_lookup_attribute(self->obj, cdl_name.array_interface, &iface)) < 0)
+        if ((found = cdl_lookup_attribute(obj, cdl_name.array_interface, &iface)) < 0)
             return NULL;
         Py_XDECREF(iface);
         if (found)
@@ -157,7 +170,7 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
         /* Neither (or one just made): the reader decides, and says why in its own words. */
         cdl_array arr;
         PyObject *keepalive;
-        if (cdl_array_from_object(self->obj, cdl_shim_dtype(self), &arr, &keepalive) < 0)
+        if (cdl_array_from_object(obj, cdl_shim_dtype(self), &arr, &keepalive) < 0)
             return NULL;
         Py_XDECREF(keepalive);
         return cdl_device_tuple(arr.device);
@@ -169,7 +182,7 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
         return PyErr_NoMemory();
     }
     reading->keepalive = NULL;
-    int status = cdl_array_from_interface(iface, CDL_SOURCE_CAI, self->obj, cdl_shim_dtype(self), &reading->arr,
+    int status = cdl_array_from_interface(iface, CDL_SOURCE_CAI, obj, cdl_shim_dtype(self), &reading->arr,
                                           &reading->keepalive);
     Py_DECREF(iface);
     PyObject *device = status < 0 ? NULL : cdl_device_tuple(reading->arr.device);
@@ -177,13 +190,15 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
         cdl_reading_free(reading);
         return NULL;
     }
-    reading->thread = PyThread_get_thread_ident();
+    reading->thread = cdl_thread_serial();
     cdl_reading_free(__atomic_exchange_n(&self->pending, reading, __ATOMIC_ACQ_REL));
     return device;
 }
 
 static PyObject *cdl_shim_repr(cdl_shim *self)
 {
+    if (self->obj == NULL)
+        return PyUnicode_FromString("cai_dlpack.DLPackShim(<cleared>)");
     return PyUnicode_FromFormat("cai_dlpack.DLPackShim(%R)", self->obj);
 }
 
@@ -201,11 +216,12 @@ static PyMethodDef cdl_shim_methods[] = {
 static PyObject *cdl_shim_get_obj(cdl_shim *self, void *closure)
 {
     (void)closure;
-    return Py_NewRef(self->obj);
+    return Py_NewRef(self->obj != NULL ? self->obj : Py_None);
 }
 
 static PyGetSetDef cdl_shim_getset[] = {
-    {"obj", (getter)cdl_shim_get_obj, NULL, "the wrapped object", NULL},
+    {"obj", (getter)cdl_shim_get_obj, NULL,
+     "the wrapped object (None once the garbage collector has cleared the shim in a reference cycle)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

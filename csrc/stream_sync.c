@@ -1,6 +1,7 @@
 /* Stream ordering between a producer and a consumer: an event recorded on the producer's stream
  * and waited on by the consumer's, so the device orders the work and the host never blocks; inside
- * CUDA graph captures, the ordering a capture allows, or an error where there is none. */
+ * CUDA graph captures, the ordering a capture allows, or an error where there is none. The one wait
+ * of the host is a view's host read of pinned or managed memory (host readers know no stream). */
 #include "cdl_internal.h"
 #include "cuda_runtime_table.h"
 
@@ -141,7 +142,7 @@ static int cdl_pool_key(const cdl_cudart *rt, const cdl_device_scope *scope, int
 
 /* A number for the calling thread that no other thread of the process ever has (a thread's ident is reused
  * once it exits, and a graph captured there may still be replayed): given on the thread's first use. */
-static unsigned long long cdl_thread_serial(void)
+unsigned long long cdl_thread_serial(void)
 {
     static _Atomic unsigned long long next = 1;
     static _Thread_local unsigned long long serial;
@@ -440,6 +441,42 @@ int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out)
     if (enter && cdl_device_leave(rt, &scope) != 0 && result == 0)
         result = cdl_raise_scope_error(&scope);
     return result;
+}
+
+int cdl_wait_for_host_read(int64_t stream, DLDevice device)
+{
+    if (stream == 0 || !cdl_option_sync || !cdl_device_accessible(device.device_type))
+        return 0;
+    const cdl_cudart *rt = cdl_cudart_get();
+    if (rt == NULL)
+        return -1;
+    cdl_capture capture;
+    if (cdl_capture_of(rt, stream, &capture) < 0)
+        return -1;
+    /* Waiting for a capturing stream (or the legacy one while a blocking stream captures) would invalidate the
+     * capture, and the data is not made before the graph is launched: refused, nothing called. */
+    if (capture.state != CDL_CAPTURE_NONE) {
+        char words[64];
+        return cdl_raise_capture_error(
+            "cudaStreamSynchronize",
+            capture.state == CDL_CAPTURE_LEGACY_UNUSABLE ? (int)cudaErrorStreamCaptureImplicit
+                                                         : (int)cudaErrorStreamCaptureUnsupported,
+            "a host read of this DLPackView (__array_interface__, the buffer protocol) waits for %s, on which its "
+            "producer made the data ready, and %s; read it after the capture, or make the view with stream=-1 "
+            "and order the host read yourself",
+            cdl_stream_words(stream, words, sizeof words),
+            capture.state == CDL_CAPTURE_LEGACY_UNUSABLE ? "a blocking stream captures a CUDA graph"
+                                                         : "that stream is capturing a CUDA graph");
+    }
+    cudaError_t code;
+    /* Relaxed: another thread's capture in global mode must not be broken by this wait. */
+    cdl_capture_mode_scope relaxed;
+    Py_BEGIN_ALLOW_THREADS
+    cdl_capture_mode_relax(rt, &relaxed);
+    code = rt->stream_synchronize((cudaStream_t)(uintptr_t)stream);
+    cdl_capture_mode_leave(rt, &relaxed);
+    Py_END_ALLOW_THREADS
+    return code == cudaSuccess ? 0 : cdl_raise_cuda_error("cudaStreamSynchronize", code);
 }
 
 int cdl_legacy_stream_unusable(void)

@@ -5,6 +5,29 @@ import sys
 import sysconfig
 
 
+def pytest_sessionstart(session):
+    """A run that names the build it means to test (tests/run_sanitized.sh sets CAI_DLPACK_EXPECTED_BUILD to its
+    package folder) proves it loaded that build, an ASan and UBSan one, before any test runs; an editable
+    install's import hook, for one, wins over PYTHONPATH and would load the plain module instead."""
+    expected = os.environ.get("CAI_DLPACK_EXPECTED_BUILD")
+    if not expected:
+        return
+    import pytest
+    import cai_dlpack._core
+
+    loaded = os.path.realpath(cai_dlpack._core.__file__)
+    if os.path.dirname(loaded) != os.path.realpath(expected):
+        pytest.exit(f"this run imported cai_dlpack._core from {loaded}, not from the build under test in {expected} "
+                    "(an editable install's import hook wins over PYTHONPATH: uninstall it, or use another "
+                    "environment)", returncode=1)
+    with open(loaded, "rb") as module:
+        image = module.read()
+    lacking = [name for name, symbol in (("AddressSanitizer", b"__asan_init"), ("UBSan", b"__ubsan_handle_"))
+               if symbol not in image]
+    if lacking:
+        pytest.exit(f"cai_dlpack._core at {loaded} is not built with {' and '.join(lacking)}", returncode=1)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """On a free-threaded CPython the GIL must still be off when the run ends: one module imported on the way
     (ours, a test extension, a test dependency) that does not declare Py_mod_gil turns it on for the whole

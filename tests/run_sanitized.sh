@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the extension with AddressSanitizer + UndefinedBehaviorSanitizer and runs the CPU suite with the
-# ASan runtime preloaded into the interpreter; any report fails the run. The build requirements come from
+# ASan runtime preloaded into the interpreter; any report fails the run, and so does a suite that imported
+# another build of the module (tests/conftest.py checks where it came from and that it is instrumented). The build requirements come from
 # BUILD_DEPS, the current python or a cache it fills once (tests/support/build_requirements.sh says which);
 # only the build step sees them. Needs gcc with its sanitizer runtimes, cmake (installed into that cache
 # where the machine has none), and the suite's own requirements (pip install ".[test]").
@@ -36,5 +37,7 @@ cp python/cai_dlpack/*.py python/cai_dlpack/*.pyi python/cai_dlpack/py.typed "$p
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:allocator_may_return_null=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 export PYTHONPATH="$PWD/$build/site${PYTHONPATH:+:$PYTHONPATH}"
+# The suite refuses to run unless it imported this build, instrumented (tests/conftest.py checks both).
+export CAI_DLPACK_EXPECTED_BUILD="$PWD/$package"
 export LD_PRELOAD="$asan:$ubsan"
 exec "$python" -m pytest -p no:cacheprovider tests/cpu "$@"

@@ -15,7 +15,7 @@ import pytest
 
 import cai_dlpack
 from cai_dlpack import DLPackShim, DLPackView, cai2dlpack, dlpack2cai
-from support import c_example
+from support import c_example, doors
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE
 
@@ -206,6 +206,22 @@ def test_exchange_dltensor_without_allocation(example):
     fields = example.exchange_dltensor(view)
     assert fields["shape"] == x.shape and fields["data"] == x.__array_interface__["data"][0]
     assert example.exchange_work_stream(DLPackShim, 2, 0) == 0  # the default stream
+
+
+def test_exchange_dltensor_refuses_read_only_memory(example):
+    """A DLTensor has no read-only flag: lending read-only memory through it would let the consumer write it.
+    The managed tensor of the same object says read-only."""
+    x = np.arange(6.0)
+    x.flags.writeable = False
+    for obj in (DLPackShim(x), dlpack2cai(x)):
+        with pytest.raises(BufferError, match=rf"this cai_dlpack.{type(obj).__name__}'s memory is read-only, which a DLTensor "
+                                              "cannot say .* managed_tensor_from_py_object_no_sync"):
+            example.exchange_dltensor(obj)
+        managed = doors.managed_from_object(obj)
+        assert managed.pointer.contents.flags & 1  # DLPACK_FLAG_BITMASK_READ_ONLY
+        managed.delete()
+    writable = np.arange(6.0)
+    assert example.exchange_dltensor(DLPackShim(writable))["data"] == writable.ctypes.data
 
 
 def test_exchange_allocator(cudart, example):

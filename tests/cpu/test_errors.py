@@ -391,6 +391,30 @@ def test_bad_dlpack_tensors_are_refused_and_deleted_once(fields, message, versio
     assert made.deleted == 1
 
 
+@pytest.mark.parametrize("versioned", [True, False])
+@pytest.mark.parametrize("byte_offset", [0, 64])
+def test_null_data_with_elements_is_refused(versioned, byte_offset):
+    """A tensor with elements must name memory: a NULL data pointer would reach consumers as a valid one (a
+    buffer consumer would read address 0 + byte_offset). An empty tensor may have NULL (test_view_buffer)."""
+    made = MadeTensor(data=0, shape=(2, 3), byte_offset=byte_offset, versioned=versioned)
+    with pytest.raises(BufferError,
+                       match=rf"data is NULL \(byte_offset {byte_offset}\) but the tensor has 6 elements"):
+        dlpack2cai(made.capsule)
+    assert made.deleted == 1
+
+
+@pytest.mark.parametrize("shape", [(4,), (0,)], ids=["with elements", "empty"])
+def test_data_plus_byte_offset_that_wraps_is_refused(shape):
+    """data + byte_offset past 2**64 wraps to an unrelated low address, which the view would hand out."""
+    data = HOST.__array_interface__["data"][0]
+    byte_offset = 2**64 - data + 16
+    made = MadeTensor(data=data, shape=shape, byte_offset=byte_offset)
+    with pytest.raises(BufferError) as info:
+        dlpack2cai(made.capsule)
+    assert f"data {data:#x} + byte_offset {byte_offset} wraps past the end of the address space" in str(info.value)
+    assert made.deleted == 1
+
+
 def test_made_tensor_with_byte_offset_and_null_strides():
     base = np.arange(10, dtype=np.int16)
     made = MadeTensor(data=base.__array_interface__["data"][0], dtype=(0, 16, 1), shape=(2, 3), byte_offset=4,

@@ -2,8 +2,10 @@
 import ctypes
 import gc
 import os
+import subprocess
 import sys
 import sysconfig
+import textwrap
 import tracemalloc
 import weakref
 
@@ -89,6 +91,31 @@ def test_shim_keeps_its_object_and_breaks_cycles():
     assert ref() is None
 
 
+def test_a_shim_cleared_by_the_garbage_collector_refuses_clearly(cudart):
+    """The collector breaks a cycle through a shim with the shim's tp_clear, which drops its object; C code
+    (another extension's tp_clear or finalizer, the C API, the exchange table) can still reach the shim then.
+    Called here as the collector calls it, on a shim in a cycle; every door must refuse, never crash."""
+    from support import c_example, doors
+
+    owner = HostOwner()
+    owner.shim = shim = DLPackShim(owner)  # the cycle the collector would break
+    _api.PyType_GetSlot.restype = ctypes.c_void_p
+    _api.PyType_GetSlot.argtypes = [ctypes.py_object, ctypes.c_int]
+    tp_clear = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.py_object)(_api.PyType_GetSlot(DLPackShim, 51))  # Py_tp_clear
+    assert tp_clear(shim) == 0
+    assert shim.obj is None and repr(shim) == "cai_dlpack.DLPackShim(<cleared>)"
+    example = c_example.build()
+    doors_calls = [shim.__dlpack_device__, shim.__dlpack__, lambda: dlpack2cai(shim), lambda: example.fill(shim, -1),
+                   lambda: example.managed(shim, 1), lambda: example.exchange_dltensor(shim),
+                   lambda: doors.managed_from_object(shim)]
+    for call in doors_calls:
+        with pytest.raises(BufferError, match="this DLPackShim wraps nothing any more: the garbage collector "
+                                              "cleared it"):
+            call()
+    del owner, shim
+    gc.collect()
+
+
 def test_made_tensor_deleted_exactly_once_by_view():
     made = MadeTensor(data=np.zeros(4).__array_interface__["data"][0], shape=(4,), dtype=(2, 64, 1))
     view = dlpack2cai(made.capsule)
@@ -115,6 +142,45 @@ def test_deleter_runs_on_a_thread_without_the_gil(cudart):
     # ctypes releases the GIL around the call: the helper thread must take it itself.
     assert cudart.lib.double_call_in_thread(deleter, address) == 0
     assert ref() is None
+
+
+def test_deleter_takes_the_gil_on_a_bare_thread_after_a_subinterpreter_exists():
+    """Once any subinterpreter has been created, CPython turns PyGILState_Check off (it answers 1 on every
+    thread), as mod_wsgi or concurrent.interpreters do: the deleter must still see that its thread holds no
+    GIL and take it. Own process: the switch stays off for the rest of the interpreter's life."""
+    script = textwrap.dedent("""
+        import ctypes, os, sys, weakref
+        import numpy as np
+        sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
+        try:
+            import _interpreters as interpreters                # 3.13+
+        except ImportError:
+            import _xxsubinterpreters as interpreters           # 3.11, 3.12
+        from support.cuda_double import CudaDouble
+        from support.dlpack_ctypes import DLManagedTensorVersioned, _api
+        from cai_dlpack import cai2dlpack
+        interpreters.destroy(interpreters.create())             # the check is off from here on
+        class HostOwner:
+            def __init__(self):
+                self.array = np.arange(16.0)
+                self.__array_interface__ = self.array.__array_interface__
+        owner = HostOwner()
+        ref = weakref.ref(owner)
+        capsule = cai2dlpack(owner, max_version=(1, 0))
+        address = _api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+        _api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        assert _api.PyCapsule_SetName(capsule, b"used_dltensor_versioned") == 0
+        deleter = ctypes.cast(DLManagedTensorVersioned.from_address(address).deleter, ctypes.c_void_p).value
+        del owner, capsule
+        double = CudaDouble(os.environ["CAI_DLPACK_CUDART"])
+        double.lib.double_call_in_thread.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        assert double.lib.double_call_in_thread(deleter, address) == 0   # a pthread with no thread state
+        print("released" if ref() is None else "kept")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["released"]
 
 
 # ---- leaks ------------------------------------------------------------------------------------------

@@ -101,6 +101,37 @@ def test_another_threads_dlpack_reads_afresh(cudart, device_arrays):
     assert producer.reads == 3
 
 
+def test_a_new_thread_with_a_dead_threads_ident_reads_afresh(cudart, device_arrays):
+    """The OS hands a finished thread's ident to the next thread it starts: a reading is the thread's, not the
+    ident's, or a new thread would export a dead thread's old pointer and shape."""
+    producer = CountingCai(device_arrays[0])
+    shim = DLPackShim(producer)
+    first = {}
+
+    def read_device():
+        first["ident"] = threading.get_ident()
+        shim.__dlpack_device__()
+
+    reader = threading.Thread(target=read_device)
+    reader.start()
+    reader.join()
+    producer.array = device_arrays[1]
+    # A few tries for a thread that gets the reader's ident (glibc reuses it at once); each try that does not
+    # leaves the reading in place, since only a __dlpack__ takes it.
+    results = []
+    for _ in range(20):
+        def convert_if_same_ident():
+            if threading.get_ident() == first["ident"]:
+                results.append(dlpack2cai(shim.__dlpack__(max_version=(1, 0))).shape)
+        worker = threading.Thread(target=convert_if_same_ident)
+        worker.start()
+        worker.join()
+        if results:
+            break
+    assert results == [(4, 5)]  # the array as it is now, not the dead thread's reading of the old one
+    assert producer.reads == 2
+
+
 def test_a_refused_dlpack_drops_the_reading(cudart, device_arrays):
     producer = CountingCai(device_arrays[0])
     shim = DLPackShim(producer)

@@ -1,5 +1,6 @@
 """Stream ordering through the CUDA runtime double: the exact runtime calls for every pair of producer
-and consumer streams, in both directions, and that the host is never made to wait."""
+and consumer streams, in both directions, and that the host is never made to wait, except by a host read of
+pinned or managed memory, which waits once for the stream its producer made it ready on."""
 import re
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 import cai_dlpack
 from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai
 from support.cai_objects import CaiArray, register
-from support.cuda_double import DEVICE, MANAGED
+from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST
 
 S1, S2 = 0x5000, 0x6000
 STREAMS = [None, 1, 2, S1, S2, -1]
@@ -280,3 +281,57 @@ def test_a_null_stream_object_is_the_legacy_stream_and_producers_get_an_int(cuda
 def test_bad_stream_objects_are_refused_by_name(device_array, stream, error, message):
     with pytest.raises(error, match=re.escape(message)):
         cai2dlpack(CaiArray(device_array, stream=S1), stream=stream)
+
+
+# ---- host reads of pinned and managed memory --------------------------------------------------------------
+
+@pytest.fixture(params=[PINNED_HOST, MANAGED], ids=["pinned", "managed"])
+def host_accessible(request, cudart):
+    """Pinned or managed memory a CAI producer wrote on stream S1."""
+    host = np.arange(12, dtype=np.float32).reshape(3, 4)
+    register(cudart, host, request.param)
+    cudart.add_stream(S1, 0)
+    cudart.add_stream(S2, 0)
+    return host
+
+
+def host_syncs(cudart):
+    return [line for line in cudart.log() if line.startswith(BLOCKING)]
+
+
+@pytest.mark.parametrize("read", ["array_interface", "buffer"])
+def test_a_host_read_waits_once_for_the_views_stream(cudart, host_accessible, read):
+    """A host reader (NumPy, memoryview) knows no stream: before it gets the pointer, the host waits for the stream
+    the producer made the data ready on (S2, the one dlpack2cai asked for). Once: the data stays ready."""
+    view = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)), stream=S2)
+    assert host_syncs(cudart) == []  # making the view never blocks
+    take = (lambda: np.asarray(view)) if read == "array_interface" else (lambda: np.asarray(memoryview(view)))
+    np.testing.assert_array_equal(take(), host_accessible)
+    assert host_syncs(cudart) == [f"cudaStreamSynchronize({S2})"]
+    cudart.clear_log()
+    view.__array_interface__, memoryview(view)
+    assert host_syncs(cudart) == []
+    # stream=-1 asks for no ordering: the caller has taken the duty, and the host read waits for nothing.
+    unordered = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)), stream=-1)
+    np.asarray(unordered), memoryview(unordered)
+    assert host_syncs(cudart) == []
+
+
+def test_a_host_read_during_a_capture_of_the_views_stream_is_refused(cudart, host_accessible):
+    view = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)), stream=S2)
+    capture = cudart.begin_capture(S2)
+    with pytest.raises(CudaError, match="a host read of this DLPackView .* waits for stream 24576, .* capturing"):
+        np.asarray(view)
+    with pytest.raises(CudaError, match="a host read of this DLPackView"):
+        memoryview(view)
+    assert host_syncs(cudart) == [] and cudart.violations == 0
+    assert cudart.end_capture(capture)  # the capture is whole
+    np.testing.assert_array_equal(np.asarray(view), host_accessible)
+
+
+def test_a_host_read_leaves_another_threads_capture_whole(cudart, host_accessible):
+    view = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)), stream=S2)
+    capture = cudart.begin_capture(0x7000, 0, GLOBAL, other_thread=True)
+    np.asarray(view)
+    assert host_syncs(cudart) == [f"cudaStreamSynchronize({S2})"]
+    assert cudart.violations == 0 and cudart.end_capture(capture)
