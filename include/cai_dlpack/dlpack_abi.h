@@ -1,4 +1,4 @@
-/* The DLPack ABI that cai_dlpack speaks (DLPack 1.3: versioned managed tensors and the C exchange API),
+/* The DLPack ABI that cai_dlpack speaks (DLPack 1.4: versioned managed tensors and the C exchange API),
  * declared here so that neither cai_dlpack's build nor an extension including cai_dlpack.h needs another
  * package for dlpack/dlpack.h. Written from the DLPack specification's layouts and values; a test
  * (tests/cpu/test_dlpack_abi.py) compares every size, field offset, enum value and version macro with an
@@ -31,7 +31,7 @@
 #include <stdint.h>
 
 #define DLPACK_MAJOR_VERSION 1
-#define DLPACK_MINOR_VERSION 3
+#define DLPACK_MINOR_VERSION 4
 
 /* Kept for code written against upstream's header, which marks its declarations with them. */
 #ifndef DLPACK_EXTERN_C
@@ -77,6 +77,9 @@ typedef enum {
     kDLHexagon = 16,
     kDLMAIA = 17,
     kDLTrn = 18,
+    kDLTPU = 19,           /* DLPack 1.4: Google TPU memory */
+    kDLTPUHost = 20,       /* DLPack 1.4: host memory pinned for a TPU */
+    kDLAscend = 21,        /* DLPack 1.4: Huawei Ascend NPU memory */
 } DLDeviceType;
 
 /* A device: its kind and its ordinal among devices of that kind. */
@@ -105,6 +108,7 @@ typedef enum {
     kDLFloat6_e2m3fn = 15U,
     kDLFloat6_e3m2fn = 16U,
     kDLFloat4_e2m1fn = 17U,
+    kDLBcomplex = 18U,     /* DLPack 1.4: complex of two bfloat16 (bits 32) */
 } DLDataTypeCode;
 
 /* An element type: a DLDataTypeCode, the bits of one lane, and the lanes of a vector element (1 for scalars). */
