@@ -69,7 +69,7 @@ def test_a_copy_to_a_tpu_or_ascend_device_is_refused_naming_it(name):
 
 @pytest.mark.parametrize("name", NEW_DEVICES)
 def test_the_exchange_allocator_refuses_a_tpu_or_ascend_prototype_naming_it(name):
-    with pytest.raises(AllocationRefused, match=rf"device type {NEW_DEVICES[name]} \({name}\) is not supported"):
+    with pytest.raises(AllocationRefused, match=rf"device type {NEW_DEVICES[name]} is not supported \({name}\)"):
         allocate((2, 32, 1), (4,), (NEW_DEVICES[name], 0))
 
 
