@@ -63,7 +63,7 @@ def test_a_tpu_or_ascend_tensor_is_refused_naming_its_device(name, versioned):
 @pytest.mark.parametrize("name", NEW_DEVICES)
 def test_a_copy_to_a_tpu_or_ascend_device_is_refused_naming_it(name):
     with pytest.raises(UnsupportedArrayError, match=rf"dl_device \({NEW_DEVICES[name]}, 0\) differs from the data's "
-                                                    rf"device \(1, 0\) \({name}, the data kDLCPU\)"):
+                                                    rf"device \(1, 0\); .* not to {name} from kDLCPU$"):
         DLPackShim(np.arange(3.0)).__dlpack__(max_version=(1, 4), dl_device=(NEW_DEVICES[name], 0))
 
 
