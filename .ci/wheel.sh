@@ -28,19 +28,17 @@ python -m build --wheel --outdir "$out/built" . >"$out/build.log" 2>&1 || { tail
 built=$(ls "$out"/built/cai_dlpack-*.whl)
 echo "built: $(basename "$built")"
 
-# auditwheel wraps its text at 80 columns: joined into one line before it is searched.
-show=$(auditwheel show "$built" 2>&1 | tr '\n' ' ' | tr -s ' ')
-echo "auditwheel show: $show"
-if grep -q "external shared libraries" <<<"$show"; then
-  echo "the wheel needs a shared library outside the manylinux policy (see above); it must need none" >&2
-  exit 1
-fi
-# A library outside the policy leaves the wheel "consistent with" only linux_<arch> (auditwheel 6 names it only
-# sometimes): a manylinux tag is required.
-if ! grep -q 'consistent with the following platform tag: "manylinux_' <<<"$show"; then
-  echo "auditwheel show found no manylinux tag for the wheel (an external library?)" >&2
-  exit 1
-fi
+# auditwheel's report as JSON: the tag it allows, and the libraries outside the manylinux policy (none allowed).
+auditwheel show --json "$built" >"$out/show.json"
+"$tools/bin/python" - "$out/show.json" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+print(f"auditwheel show: {report['overall_tag']}; versioned symbols {report['versioned_symbols']}")
+if report["external_libs"]:
+    sys.exit(f"the wheel needs shared libraries outside the manylinux policy: {report['external_libs']}")
+if not report["overall_tag"].startswith("manylinux_"):
+    sys.exit(f"auditwheel allows no manylinux tag for the wheel, only {report['overall_tag']}")
+PY
 
 auditwheel repair -w "$out/repaired" "$built" >"$out/repair.log" 2>&1 || { cat "$out/repair.log"; exit 1; }
 repaired=$(ls "$out"/repaired/cai_dlpack-*manylinux*.whl)

@@ -2,7 +2,8 @@
  * declared here so that neither cai_dlpack's build nor an extension including cai_dlpack.h needs another
  * package for dlpack/dlpack.h. Written from the DLPack specification's layouts and values; a test
  * (tests/cpu/test_dlpack_abi.py) compares every size, field offset, enum value and version macro with an
- * upstream dlpack.h wherever one is installed.
+ * upstream dlpack.h wherever one is installed, and 1.4's additions and layout with DLPack 1.4's values, which
+ * it records (no installable package ships a 1.4 dlpack.h yet).
  *
  * Together with an upstream dlpack/dlpack.h, in either order:
  *   - upstream first: its declarations are used (it must be DLPack 1.2 or newer, which this header checks),
