@@ -22,7 +22,8 @@ except ImportError:
 
 pytestmark = pytest.mark.skipif(
     StridedMemoryView is None,
-    reason="cuda-core is not installed (a test extra where it has a wheel: CPython 3.10 to 3.15 and 3.14t, not 3.13t)")
+    reason="cuda-core is not installed (a test extra on Linux CPython 3.10 to 3.15 and 3.14t, less 3.13: it has no "
+           "3.13t wheel, and no marker tells 3.13t from 3.13)")
 needs_ml_dtypes = pytest.mark.skipif(ml_dtypes is None, reason="ml_dtypes is not installed (a test extra)")
 
 # Every type both name: NumPy's, which SMV reads and writes as DLPack's; bfloat16 is ml_dtypes' (below).
