@@ -663,9 +663,10 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
     if (other_device && !(target.device_type == kDLCPU && target.device_id == 0)) {
         PyErr_Format(cdl_UnsupportedError,
                      "dl_device (%d, %d) differs from the data's device (%d, %d); cai_dlpack copies only to the "
-                     "host, dl_device=(1, 0), or on the data's own device (copy=True)",
+                     "host, dl_device=(1, 0), or on the data's own device (copy=True), not to %s from %s",
                      (int)target.device_type, (int)target.device_id, (int)arr->device.device_type,
-                     (int)arr->device.device_id);
+                     (int)arr->device.device_id, cdl_device_type_name((int)target.device_type),
+                     cdl_device_type_name((int)arr->device.device_type));
         return NULL;
     }
     if (other_device || copy_asked == 1)

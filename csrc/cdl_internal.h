@@ -190,7 +190,7 @@ int cdl_parse_keywords(const char *func, PyObject *const *args, Py_ssize_t nargs
 /* The keywords of __dlpack__ (stream, max_version, dl_device, copy) into values[0..3]. */
 int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **values);
 
-/* dtype.c: every fact about element types ------------------------------------------------------- */
+/* dtype.c: every fact about element types (and DLPack's names of codes) ------------------------------------------------------- */
 /* Returns 0 with *out filled, or -1 naming where (the interface) and the typestr: TypeError for a non-str,
  * UnsupportedArrayError for a type DLPack cannot describe. */
 int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out);
@@ -215,6 +215,10 @@ int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *o
 const char *cdl_format_from_dtype(DLDataType dtype);
 /* The table's name of dtype ("bfloat16", "float32", ...). */
 const char *cdl_name_of_dtype(DLDataType dtype);
+/* The specification's name of a DLDataTypeCode ("kDLBcomplex") or a DLDeviceType ("kDLTPU"), for messages;
+ * "an unknown code" / "an unknown device type" for a value DLPack 1.4 does not define. */
+const char *cdl_type_code_name(int code);
+const char *cdl_device_type_name(int device_type);
 /* Returns a new reference to the typestr of dtype, or NULL with UnsupportedArrayError naming code/bits/lanes. */
 PyObject *cdl_typestr_from_dtype(DLDataType dtype);
 /* 0 when an array interface can describe dtype, else -1 with the UnsupportedArrayError above. */

@@ -1,6 +1,7 @@
 /* Every fact about element types: one table maps the type strings of the CAI and of NumPy's array
  * interface, and the buffer protocol's formats, onto DLPack types and back; error messages list the
- * supported types from it. Uses no other csrc/ file but names.c (its error type). */
+ * supported types from it. Messages name DLPack's type codes and device types from the two name tables
+ * here. Uses no other csrc/ file but names.c (its error type). */
 #include "cdl_internal.h"
 
 #include <string.h>
@@ -376,13 +377,48 @@ const char *cdl_format_from_dtype(DLDataType dtype)
     return row < 0 ? NULL : cdl_dtype_table[row].format;
 }
 
+/* DLPack 1.4's names of its type codes and device types, indexed by value. The values past those of an
+ * upstream dlpack.h older than 1.4 (which a build may use instead of ours) are written as numbers. */
+static const char *const cdl_type_code_names[] = {
+    [kDLInt] = "kDLInt", [kDLUInt] = "kDLUInt", [kDLFloat] = "kDLFloat", [kDLOpaqueHandle] = "kDLOpaqueHandle",
+    [kDLBfloat] = "kDLBfloat", [kDLComplex] = "kDLComplex", [kDLBool] = "kDLBool",
+    [kDLFloat8_e3m4] = "kDLFloat8_e3m4", [kDLFloat8_e4m3] = "kDLFloat8_e4m3",
+    [kDLFloat8_e4m3b11fnuz] = "kDLFloat8_e4m3b11fnuz", [kDLFloat8_e4m3fn] = "kDLFloat8_e4m3fn",
+    [kDLFloat8_e4m3fnuz] = "kDLFloat8_e4m3fnuz", [kDLFloat8_e5m2] = "kDLFloat8_e5m2",
+    [kDLFloat8_e5m2fnuz] = "kDLFloat8_e5m2fnuz", [kDLFloat8_e8m0fnu] = "kDLFloat8_e8m0fnu",
+    [kDLFloat6_e2m3fn] = "kDLFloat6_e2m3fn", [kDLFloat6_e3m2fn] = "kDLFloat6_e3m2fn",
+    [kDLFloat4_e2m1fn] = "kDLFloat4_e2m1fn", [18] = "kDLBcomplex",
+};
+static const char *const cdl_device_type_names[] = {
+    [kDLCPU] = "kDLCPU", [kDLCUDA] = "kDLCUDA", [kDLCUDAHost] = "kDLCUDAHost", [kDLOpenCL] = "kDLOpenCL",
+    [kDLVulkan] = "kDLVulkan", [kDLMetal] = "kDLMetal", [kDLVPI] = "kDLVPI", [kDLROCM] = "kDLROCM",
+    [kDLROCMHost] = "kDLROCMHost", [kDLExtDev] = "kDLExtDev", [kDLCUDAManaged] = "kDLCUDAManaged",
+    [kDLOneAPI] = "kDLOneAPI", [kDLWebGPU] = "kDLWebGPU", [kDLHexagon] = "kDLHexagon", [kDLMAIA] = "kDLMAIA",
+    [kDLTrn] = "kDLTrn", [19] = "kDLTPU", [20] = "kDLTPUHost", [21] = "kDLAscend",
+};
+
+const char *cdl_type_code_name(int code)
+{
+    const int count = (int)(sizeof(cdl_type_code_names) / sizeof(cdl_type_code_names[0]));
+    return code >= 0 && code < count && cdl_type_code_names[code] ? cdl_type_code_names[code] : "an unknown code";
+}
+
+const char *cdl_device_type_name(int device_type)
+{
+    const int count = (int)(sizeof(cdl_device_type_names) / sizeof(cdl_device_type_names[0]));
+    return device_type >= 0 && device_type < count && cdl_device_type_names[device_type]
+               ? cdl_device_type_names[device_type]
+               : "an unknown device type";
+}
+
 int cdl_check_dtype(DLDataType dtype)
 {
     if (cdl_row_of_dtype(dtype) >= 0)
         return 0;
     PyErr_Format(cdl_UnsupportedError,
-                 "DLPack dtype (code=%d, bits=%d, lanes=%d) has no array-interface typestr (supported: %s)",
-                 (int)dtype.code, (int)dtype.bits, (int)dtype.lanes, cdl_supported_text);
+                 "DLPack dtype %s (code=%d, bits=%d, lanes=%d) has no array-interface typestr (supported: %s)",
+                 cdl_type_code_name(dtype.code), (int)dtype.code, (int)dtype.bits, (int)dtype.lanes,
+                 cdl_supported_text);
     return -1;
 }
 

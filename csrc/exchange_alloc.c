@@ -152,7 +152,8 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
             cdl_capture_mode_leave(rt, &relaxed);
     }
     else {
-        snprintf(message, sizeof(message), "cai_dlpack allocator: device type %d is not supported", (int)type);
+        snprintf(message, sizeof(message), "cai_dlpack allocator: device type %d is not supported (%s)", (int)type,
+                 cdl_device_type_name((int)type));
     }
     if (data == NULL) {
         free(made);

@@ -255,8 +255,11 @@ int cdl_array_from_managed(cdl_managed managed, cdl_array *out)
     if (managed.versioned) {
         const DLManagedTensorVersioned *m = managed.pointer;
         if (m->version.major > DLPACK_MAJOR_VERSION) {
-            PyErr_Format(PyExc_BufferError, "DLPack capsule has version %u.%u; this build reads major version %d",
-                         m->version.major, m->version.minor, DLPACK_MAJOR_VERSION);
+            PyErr_Format(PyExc_BufferError,
+                         "DLPack capsule has version %u.%u, a newer major version than this build's DLPack %d.%d "
+                         "reads (newer minor versions of %d.x are read)",
+                         m->version.major, m->version.minor, DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION,
+                         DLPACK_MAJOR_VERSION);
             return -1;
         }
     }
@@ -268,9 +271,9 @@ int cdl_array_from_tensor(const DLTensor *t, uint64_t flags, cdl_array *out)
     DLDeviceType type = t->device.device_type;
     if (!cdl_host_accessible(type) && !cdl_device_accessible(type)) {
         PyErr_Format(PyExc_BufferError,
-                     "DLPack device type %d is neither CUDA nor host memory; only kDLCPU, kDLCUDA, kDLCUDAHost "
-                     "and kDLCUDAManaged tensors can be described by an array interface",
-                     (int)type);
+                     "DLPack device type %d (%s) is neither CUDA nor host memory; only kDLCPU, kDLCUDA, "
+                     "kDLCUDAHost and kDLCUDAManaged tensors can be described by an array interface",
+                     (int)type, cdl_device_type_name((int)type));
         return -1;
     }
     if (t->ndim < 0 || t->ndim > CDL_MAX_NDIM || (t->ndim > 0 && t->shape == NULL)) {

@@ -1,8 +1,9 @@
-/* The DLPack ABI that cai_dlpack speaks (DLPack 1.3: versioned managed tensors and the C exchange API),
+/* The DLPack ABI that cai_dlpack speaks (DLPack 1.4: versioned managed tensors and the C exchange API),
  * declared here so that neither cai_dlpack's build nor an extension including cai_dlpack.h needs another
  * package for dlpack/dlpack.h. Written from the DLPack specification's layouts and values; a test
  * (tests/cpu/test_dlpack_abi.py) compares every size, field offset, enum value and version macro with an
- * upstream dlpack.h wherever one is installed.
+ * upstream dlpack.h wherever one is installed, and 1.4's additions and layout with DLPack 1.4's values, which
+ * it records (no installable package ships a 1.4 dlpack.h yet).
  *
  * Together with an upstream dlpack/dlpack.h, in either order:
  *   - upstream first: its declarations are used (it must be DLPack 1.2 or newer, which this header checks),
@@ -31,7 +32,7 @@
 #include <stdint.h>
 
 #define DLPACK_MAJOR_VERSION 1
-#define DLPACK_MINOR_VERSION 3
+#define DLPACK_MINOR_VERSION 4
 
 /* Kept for code written against upstream's header, which marks its declarations with them. */
 #ifndef DLPACK_EXTERN_C
@@ -77,6 +78,9 @@ typedef enum {
     kDLHexagon = 16,
     kDLMAIA = 17,
     kDLTrn = 18,
+    kDLTPU = 19,           /* DLPack 1.4: Google TPU memory */
+    kDLTPUHost = 20,       /* DLPack 1.4: host memory pinned for a TPU */
+    kDLAscend = 21,        /* DLPack 1.4: Huawei Ascend NPU memory */
 } DLDeviceType;
 
 /* A device: its kind and its ordinal among devices of that kind. */
@@ -105,6 +109,7 @@ typedef enum {
     kDLFloat6_e2m3fn = 15U,
     kDLFloat6_e3m2fn = 16U,
     kDLFloat4_e2m1fn = 17U,
+    kDLBcomplex = 18U,     /* DLPack 1.4: complex of two bfloat16 (bits 32) */
 } DLDataTypeCode;
 
 /* An element type: a DLDataTypeCode, the bits of one lane, and the lanes of a vector element (1 for scalars). */

@@ -2,6 +2,7 @@
 it was found) and the GPUs, shows a zero-copy round trip with nothing but Python's standard library, then one
 with every framework installed. Each row's verdict is what its conversion returned: the result's address is
 the source's, and a value written through one end is read through the other. Exits 1 if any row fails."""
+import argparse
 import array
 import ctypes
 import importlib
@@ -244,9 +245,22 @@ def gpu_round_trips(rows):
                 lambda: jax.dlpack.from_dlpack(DLPackShim(c3)))
 
 
-def main():
+def parse_arguments(argv):
+    """The command line: none but -h/--help (usage, exit 0); anything else is refused with the usage on stderr
+    and exit status 2, as argparse does."""
+    parser = argparse.ArgumentParser(
+        prog="python -m cai_dlpack",
+        description="Self-check of cai_dlpack: versions, the CUDA runtime it loaded and the GPUs, a zero-copy "
+                    "round trip with the standard library alone and one with each framework installed (each "
+                    "timed), then, where NumPy is installed, a short benchmark against the peers. Exits 1 if "
+                    "any round trip does not share memory.")
+    return parser.parse_args(argv)
+
+
+def main(argv=()):
     from cai_dlpack._benchmark import measure_together
 
+    parse_arguments(argv)
     devices = describe_environment()
     rows = []
     standard_library_round_trip(rows)
@@ -280,10 +294,11 @@ def main():
               f"  {FULL_BENCHMARK}\n")
         print(markdown(run_groups(groups, repeat=7), {title: reference for title, reference, _ in groups}))
     else:
-        print("\nInstall numpy (and torch, cupy, numba-cuda, jax) to see round trips with them as well.")
+        print("\nNo short benchmark: it compares with NumPy. Install numpy (and torch, cupy, numba-cuda, jax) to "
+              "see it, and round trips with them as well.")
     print(f"\nOK: {len(rows)} conversion{'s' if len(rows) != 1 else ''} shared memory")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -25,7 +25,7 @@ def test_no_package_is_needed_for_dlpack_h(tmp_path):
     if "CUDA Runtime API headers not found" in output:
         pytest.skip("the CUDA Runtime API header wheels (nvidia-cuda-runtime, nvidia-cuda-crt) are not installed")
     assert code == 0, output
-    assert "DLPack 1.3 from cai_dlpack's own declarations (include/cai_dlpack/dlpack_abi.h)" in output
+    assert "DLPack 1.4 from cai_dlpack's own declarations (include/cai_dlpack/dlpack_abi.h)" in output
 
 
 @pytest.mark.skipif(cmake is None, reason="cmake is not on PATH")

@@ -1,6 +1,12 @@
 """Our declarations of the DLPack ABI (include/cai_dlpack/dlpack_abi.h) against an upstream dlpack.h: the
 same sizes, alignments, field offsets, enum values and flag bits, and a version no newer than upstream's. And
-the public header together with an upstream dlpack.h, included in either order, in C and C++."""
+the public header together with an upstream dlpack.h, included in either order, in C and C++.
+
+Our header is at DLPack 1.4. No package that pip can install here (PyPI) ships a 1.4 dlpack.h yet (the newest
+apache-tvm-ffi, 0.1.15.post2, bundles 1.3; cupy-cuda13x 14.2.0 bundles 1.0; torch's ATen/dlpack.h and cuda-core's
+are older still), so the facts of DLPack 1.4 that our header adds are recorded here as data (values only): the
+four new enum values, the version, and the layout of every struct on a 64-bit Linux ABI (1.4 changed no layout,
+so it is the layout of 1.3, which the installed upstream header checks too where there is one)."""
 import os
 import shutil
 import subprocess
@@ -34,6 +40,27 @@ CONSTANTS = [
 ]
 
 
+# DLPack 1.4's additions (dmlc/dlpack v1.4, include/dlpack/dlpack.h): the values an upstream header older than
+# 1.4 cannot be asked for, so they are compared with this data, and with an upstream header only where it is 1.4.
+DLPACK_1_4 = {"version": "1.4", "value kDLTPU": "19", "value kDLTPUHost": "20", "value kDLAscend": "21",
+              "value kDLBcomplex": "18"}
+ADDED_IN_1_4 = ["kDLTPU", "kDLTPUHost", "kDLAscend", "kDLBcomplex"]
+# The layout of DLPack 1.4 (unchanged since 1.3, as the 1.4 release says) on a 64-bit Linux ABI (LP64: x86_64,
+# aarch64): {struct: (size, alignment, [offset of each field in STRUCTS' order])}, and the sizes of the scalars.
+LP64_LAYOUT = {
+    "DLPackVersion": (8, 4, [0, 4]),
+    "DLDevice": (8, 4, [0, 4]),
+    "DLDataType": (4, 2, [0, 1, 2]),
+    "DLTensor": (48, 8, [0, 8, 16, 20, 24, 32, 40]),
+    "DLManagedTensor": (64, 8, [0, 48, 56]),
+    "DLManagedTensorVersioned": (80, 8, [0, 8, 16, 24, 32]),
+    "DLPackExchangeAPIHeader": (16, 8, [0, 8]),
+    "DLPackExchangeAPI": (56, 8, [0, 16, 24, 32, 40, 48]),
+}
+LP64_SCALARS = {"DLDeviceType": 4, "DLDataTypeCode": 4, "DLPackManagedTensorAllocator": 8,
+                "DLPackCurrentWorkStream": 8}
+
+
 def compiler():
     name = (sysconfig.get_config_var("CC") or "cc").split()[0]
     return shutil.which(name) or shutil.which("cc")
@@ -65,7 +92,10 @@ def printer_source():
         lines += [f'printf("offsetof {struct}.{field} %zu\\n", offsetof({struct}, {field}));' for field in fields]
     lines += [f'printf("sizeof {name} %zu\\n", sizeof({name}));' for name in SCALARS]
     lines += [f'printf("value {name} %llu\\n", (unsigned long long)({name}));' for name in CONSTANTS]
-    lines += ["return 0;", "}"]
+    # An upstream header older than 1.4 has no such names.
+    lines.append("#if DLPACK_MAJOR_VERSION > 1 || DLPACK_MINOR_VERSION >= 4")
+    lines += [f'printf("value {name} %llu\\n", (unsigned long long)({name}));' for name in ADDED_IN_1_4]
+    lines += ["#endif", "return 0;", "}"]
     return "\n".join(lines) + "\n"
 
 
@@ -85,11 +115,27 @@ def test_our_declarations_match_an_upstream_dlpack_header(tmp_path):
     ours = run_printer(tmp_path, "ours", ["-I", cai_dlpack.get_include()])
     theirs = run_printer(tmp_path, "theirs", ["-DUPSTREAM", "-I", upstream_include()])
     version, their_version = ours.pop("version"), theirs.pop("version")
-    assert ours == theirs
-    assert len(ours) == sum(len(f) + 1 for f in STRUCTS.values()) + len(SCALARS) + len(CONSTANTS)
-    # Ours declares no version upstream has not published (same major; minor at most upstream's).
+    assert len(ours) == sum(len(f) + 1 for f in STRUCTS.values()) + len(SCALARS) + len(CONSTANTS) + len(ADDED_IN_1_4)
+    # Everything upstream declares, ours declares the same (an upstream older than 1.4 lacks 1.4's values).
+    assert {key: ours[key] for key in theirs} == theirs
     (major, minor), (their_major, their_minor) = (tuple(map(int, v.split("."))) for v in (version, their_version))
-    assert major == their_major == 1 and (1, 2) <= (major, minor) <= (their_major, their_minor)
+    assert major == their_major == 1 and minor >= 2 and their_minor >= 2
+    if their_minor < 4:
+        assert set(ours) - set(theirs) == {f"value {name}" for name in ADDED_IN_1_4}
+
+
+@needs_cc
+def test_our_declarations_are_dlpack_1_4(tmp_path):
+    """The version, 1.4's four new enum values, and every size, alignment and offset of DLPack 1.4 on LP64."""
+    ours = run_printer(tmp_path, "ours", ["-I", cai_dlpack.get_include()])
+    assert {key: ours[key] for key in DLPACK_1_4} == DLPACK_1_4
+    assert cai_dlpack.DLPACK_VERSION == (1, 4)
+    if sysconfig.get_config_var("SIZEOF_VOID_P") != 8:
+        pytest.skip("the recorded layout is the 64-bit one")
+    for struct, (size, alignment, offsets) in LP64_LAYOUT.items():
+        assert ours[f"sizeof {struct} {size} align"] == str(alignment), struct
+        assert [int(ours[f"offsetof {struct}.{field}"]) for field in STRUCTS[struct]] == offsets, struct
+    assert {name: int(ours[f"sizeof {name}"]) for name in LP64_SCALARS} == LP64_SCALARS
 
 
 MIXED = """#include <Python.h>

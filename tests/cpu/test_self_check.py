@@ -101,3 +101,41 @@ def test_the_runtime_line_names_the_file_and_how_it_was_found(tmp_path):
     env["LD_LIBRARY_PATH"] = str(tmp_path)
     assert runtime_line(env) == (f"CUDA runtime 13.0: {tmp_path / 'libcudart.so.13'} "
                                  "(libcudart.so.13, found by the loader's search), 4 GPU(s)")
+
+
+def run_command(*arguments, hide_numpy=False):
+    """`python -m cai_dlpack ARGUMENTS` as a user runs it; hide_numpy: as where only the package is installed
+    (the frameworks it would use are made unimportable)."""
+    code = "import runpy, sys\n"
+    if hide_numpy:
+        code += "for name in ('numpy', 'torch', 'cupy', 'numba', 'numba.cuda', 'jax'): sys.modules[name] = None\n"
+    code += "sys.argv[0] = 'cai_dlpack'\nrunpy.run_module('cai_dlpack', run_name='__main__', alter_sys=True)\n"
+    return subprocess.run([sys.executable, "-c", code, *arguments], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("option", ["--help", "-h"])
+def test_help_prints_the_usage_and_runs_no_check(option):
+    result = run_command(option)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m cai_dlpack [-h]\n")
+    assert "round trip" in result.stdout  # the description says what the command does
+    assert "Zero-copy round trip" not in result.stdout and "OK:" not in result.stdout and result.stderr == ""
+
+
+@pytest.mark.parametrize("arguments", [["--bogus"], ["extra"], ["-x"]])
+def test_an_unknown_argument_is_refused_with_the_usage_on_stderr(arguments):
+    result = run_command(*arguments)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("usage: python -m cai_dlpack [-h]\n")
+    assert "error: unrecognized arguments" in result.stderr
+
+
+def test_with_the_package_alone_one_row_and_a_hint_instead_of_the_benchmark():
+    """What the README's first command says it prints where nothing but the package is installed."""
+    result = run_command(hide_numpy=True)
+    assert result.returncode == 0, result.stderr
+    assert list(dict(ROW.findall(result.stdout))) == ["array.array -> cai2dlpack -> dlpack2cai -> memoryview"]
+    assert "Short benchmark" not in result.stdout
+    assert "No short benchmark: it compares with NumPy. Install numpy" in result.stdout
+    assert result.stdout.rstrip().endswith("OK: 1 conversion shared memory")
