@@ -141,7 +141,7 @@ static int cdl_pool_key(const cdl_cudart *rt, const cdl_device_scope *scope, int
 
 /* A number for the calling thread that no other thread of the process ever has (a thread's ident is reused
  * once it exits, and a graph captured there may still be replayed): given on the thread's first use. */
-static unsigned long long cdl_thread_serial(void)
+unsigned long long cdl_thread_serial(void)
 {
     static _Atomic unsigned long long next = 1;
     static _Thread_local unsigned long long serial;
