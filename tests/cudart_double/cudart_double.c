@@ -1203,6 +1203,8 @@ API cudaError_t cudaEventQuery(cudaEvent_t event)
     pthread_mutex_lock(&lock);
     calls++;
     int id = event_id(event), code = injected("cudaEventQuery");
+    if (code == 0)
+        code = unsafe_call("cudaEventQuery"); /* prohibited during a capture the thread's mode forbids */
     if (code == 0 && (id <= 0 || id >= MAX_EVENTS || event_device[id] == 0))
         code = INVALID_RESOURCE_HANDLE;
     else if (code == 0 && event_reached[id] < event_recorded[id])
