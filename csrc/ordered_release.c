@@ -11,6 +11,7 @@
 /* One release waiting for its event. Made with malloc: deleters run on any thread, without the GIL. */
 typedef struct cdl_pending {
     cudaEvent_t event;
+    unsigned long long key; /* the event's context: its id, or the device without the driver's calls */
     cdl_release_fn release;
     void *argument;
     struct cdl_pending *next;
@@ -26,6 +27,46 @@ static _Atomic Py_ssize_t cdl_pending_waits;
 static _Atomic int cdl_pending_call_scheduled;
 /* The test-only switch (_set_ordered_release): 0 releases at once, as before ordered release existed. */
 static _Atomic int cdl_ordered_release_enabled = 1;
+
+/* Events whose release was made, kept for the next release in their context (a create per release would
+ * cost a call and an event each), under cdl_pending_lock. */
+#define CDL_SPARE_EVENTS 64
+static struct {
+    unsigned long long key;
+    cudaEvent_t event;
+} cdl_spare[CDL_SPARE_EVENTS];
+static int cdl_spare_count;
+
+/* A spare event of the context key, or a new one. Any thread. */
+static cudaError_t cdl_take_event(const cdl_cudart *rt, unsigned long long key, cudaEvent_t *event)
+{
+    int found = 0;
+    cdl_lock_acquire(&cdl_pending_lock);
+    for (int i = cdl_spare_count - 1; i >= 0 && !found; i--) {
+        if (cdl_spare[i].key == key) {
+            *event = cdl_spare[i].event;
+            cdl_spare[i] = cdl_spare[--cdl_spare_count];
+            found = 1;
+        }
+    }
+    cdl_lock_release(&cdl_pending_lock);
+    return found ? cudaSuccess : rt->event_create_with_flags(event, cudaEventDisableTiming);
+}
+
+/* Keeps event for a later release, or destroys it when enough are kept. Any thread. */
+static void cdl_give_event(const cdl_cudart *rt, unsigned long long key, cudaEvent_t event)
+{
+    int kept = 0;
+    cdl_lock_acquire(&cdl_pending_lock);
+    if (cdl_spare_count < CDL_SPARE_EVENTS) {
+        cdl_spare[cdl_spare_count].key = key;
+        cdl_spare[cdl_spare_count++].event = event;
+        kept = 1;
+    }
+    cdl_lock_release(&cdl_pending_lock);
+    if (!kept && rt->event_destroy(event) != cudaSuccess)
+        (void)rt->get_last_error();
+}
 
 /* How long interpreter exit waits, at most, for pending releases' events. */
 #define CDL_EXIT_WAIT_NS 2000000000LL
@@ -66,10 +107,10 @@ void cdl_release_point_set(cdl_release_point *point, int64_t consumer, DLDevice 
     point->thread = consumer == CDL_STREAM_PER_THREAD ? cdl_thread_serial() : 0;
 }
 
-/* Records a new event on point's stream, in the stream's context. 1 with *event recorded; 0 when nothing can
- * be recorded without harm (the stream captures a graph: its event would be a node of the graph, not a point
+/* Records a new event on point's stream, in the stream's context. 1 with *event recorded and not yet complete;
+ * 0 when the stream has run all its work already, or nothing can be recorded without harm (the stream captures a graph: its event would be a node of the graph, not a point
  * in time; or the runtime refused), the caller then releasing at once. Any thread, no GIL needed. */
-static int cdl_record_release(const cdl_cudart *rt, const cdl_release_point *point, cudaEvent_t *event)
+static int cdl_record_release(const cdl_cudart *rt, const cdl_release_point *point, cdl_pending *entry)
 {
     int64_t stream = point->stream;
     /* Another thread's per-thread default stream cannot be named from here. The legacy stream's work comes
@@ -90,17 +131,41 @@ static int cdl_record_release(const cdl_cudart *rt, const cdl_release_point *poi
     if (entered != 0)
         return 0;
     int recorded = 0;
+    entry->key = (unsigned long long)point->device;
+    if (scope.context != NULL && rt->cu_ctx_get_id != NULL && rt->cu_ctx_get_id(scope.context, &entry->key) != 0)
+        entry->key = (unsigned long long)point->device;
     enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     unsigned long long capture_id;
     cudaError_t code = cdl_stream_capture_info(rt, (cudaStream_t)(uintptr_t)stream, &capture, &capture_id);
     if (code == cudaSuccess && capture == cudaStreamCaptureStatusNone) {
-        code = rt->event_create_with_flags(event, cudaEventDisableTiming);
+        code = cdl_take_event(rt, entry->key, &entry->event);
         if (code == cudaSuccess) {
-            code = rt->event_record(*event, (cudaStream_t)(uintptr_t)stream);
+            code = rt->event_record(entry->event, (cudaStream_t)(uintptr_t)stream);
+            if (code == cudaErrorInvalidResourceHandle || code == cudaErrorContextIsDestroyed) {
+                /* A spare event of a context that was reset under the same key: a new one, once. */
+                (void)rt->get_last_error();
+                (void)rt->event_destroy(entry->event);
+                code = rt->event_create_with_flags(&entry->event, cudaEventDisableTiming);
+                if (code == cudaSuccess)
+                    code = rt->event_record(entry->event, (cudaStream_t)(uintptr_t)stream);
+            }
+            /* A stream with nothing left to run: its event has completed already, and nothing waits. The query
+             * is made in relaxed mode, as cdl_release_completed's are. */
+            cudaError_t done = cudaErrorNotReady;
+            if (code == cudaSuccess) {
+                cdl_capture_mode_scope relaxed;
+                cdl_capture_mode_relax(rt, &relaxed);
+                done = rt->event_query(entry->event);
+                cdl_capture_mode_leave(rt, &relaxed);
+                if (done != cudaSuccess && done != cudaErrorNotReady)
+                    (void)rt->get_last_error();
+            }
             if (code != cudaSuccess)
-                (void)rt->event_destroy(*event);
+                (void)rt->event_destroy(entry->event);
+            else if (done == cudaSuccess)
+                cdl_give_event(rt, entry->key, entry->event);
+            recorded = code == cudaSuccess && done != cudaSuccess;
         }
-        recorded = code == cudaSuccess;
     }
     if (code != cudaSuccess)
         (void)rt->get_last_error(); /* ours (the legacy stream's query while a capture runs, a dead stream) */
@@ -122,8 +187,7 @@ static void cdl_wait_for(const cdl_cudart *rt, cdl_pending *entry)
 
 static void cdl_finish(const cdl_cudart *rt, cdl_pending *entry)
 {
-    if (rt->event_destroy(entry->event) != cudaSuccess)
-        (void)rt->get_last_error();
+    cdl_give_event(rt, entry->key, entry->event);
     entry->release(entry->argument);
     free(entry);
 }
@@ -143,7 +207,7 @@ void cdl_release_after(const cdl_release_point *point, cdl_release_fn release, v
     const cdl_cudart *rt = cdl_cudart_loaded();
     cdl_pending *entry = NULL;
     if (point->stream == 0 || !cdl_ordered_release_enabled || rt == NULL || rt->event_query == NULL ||
-        (entry = malloc(sizeof(cdl_pending))) == NULL || !cdl_record_release(rt, point, &entry->event)) {
+        (entry = malloc(sizeof(cdl_pending))) == NULL || !cdl_record_release(rt, point, entry)) {
         free(entry);
         release(argument);
         return;
