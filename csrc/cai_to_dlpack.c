@@ -629,7 +629,7 @@ static int cdl_parse_dl_device(PyObject *dl_device, DLDevice device, DLDevice *t
 static void cdl_export_order_release(PyObject *capsule, const cdl_array *arr, int64_t consumer)
 {
     cdl_release_point point;
-    cdl_release_point_set(&point, consumer, arr->device, arr->home_device);
+    cdl_release_point_set(&point, consumer, arr);
     if (point.stream != 0)
         cdl_capsule_order_release(capsule, &point, 0);
     cdl_release_completed();

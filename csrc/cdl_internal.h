@@ -300,9 +300,9 @@ typedef struct {
 #define CDL_PENDING_LIMIT 1024
 /* A release of memory a consumer may still use: called once, on any thread, with or without the GIL. */
 typedef void (*cdl_release_fn)(void *argument);
-/* The point after a conversion with consumer stream consumer of data on device (home_device its device):
- * none for -1, host memory, a runtime without events, or ordered release switched off. Any thread. */
-void cdl_release_point_set(cdl_release_point *point, int64_t consumer, DLDevice device, int32_t home_device);
+/* The point after a conversion of arr with consumer stream consumer: none for -1, host memory, an array
+ * without elements, a runtime without events, or ordered release switched off. Any thread. */
+void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl_array *arr);
 /* Calls release(argument) once an event recorded now on point's stream has completed: at a later conversion,
  * release or pending call of the interpreter, never waiting for the device (but past CDL_PENDING_LIMIT,
  * where the oldest pending release waits). At once where nothing is to be waited for: point's stream is 0,

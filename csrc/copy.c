@@ -279,13 +279,14 @@ static int cdl_copy_to_host(const cdl_array *arr, const cdl_copy_layout *layout,
 }
 
 /* A new allocation like the source's memory (device, pinned or managed), made in relaxed capture mode. Device
- * memory is made by cudaMallocAsync on stream where the runtime has it and stream is outside any capture
+ * memory is made by cudaMallocAsync on stream (not NULL) where the runtime has it and stream is outside any capture
  * (*stream_ordered set: it is freed by cudaFreeAsync, never waiting for the device). */
 static int cdl_allocate_like(const cdl_cudart *rt, DLDevice device, size_t size, cudaStream_t stream, void **out,
                              int *stream_ordered)
 {
     *stream_ordered = 0;
-    if (device.device_type == kDLCUDA && rt->malloc_async != NULL && cdl_stream_outside_capture(rt, stream)) {
+    if (device.device_type == kDLCUDA && stream != NULL && rt->malloc_async != NULL &&
+        cdl_stream_outside_capture(rt, stream)) {
         cudaError_t made = rt->malloc_async(out, size, stream);
         if (made == cudaSuccess) {
             *stream_ordered = 1;
@@ -310,7 +311,7 @@ static int cdl_allocate_like(const cdl_cudart *rt, DLDevice device, size_t size,
 static int cdl_keep_source_until_copied(const cdl_array *arr, int64_t stream, PyObject *owner, PyObject *keepalive)
 {
     cdl_release_point point;
-    cdl_release_point_set(&point, stream, arr->device, arr->home_device);
+    cdl_release_point_set(&point, stream, arr);
     cdl_release_objects_after(&point, owner, keepalive);
     if (arr->stream == 0 || arr->stream == stream || !cdl_option_sync)
         return 0;
@@ -352,10 +353,11 @@ static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layou
     cdl_device_scope scope;
     if (cdl_device_enter(rt, arr->home_device, &scope) != 0)
         return cdl_raise_scope_error(&scope);
-    int status = cdl_allocate_like(rt, arr->device, (size_t)(count > 0 ? count * itemsize : 1), stream, out,
-                                   stream_ordered);
+    /* An empty copy is a byte nobody reads: made and freed at once (no stream, no release point). */
+    int status = cdl_allocate_like(rt, arr->device, (size_t)(count > 0 ? count * itemsize : 1),
+                                   count > 0 ? stream : NULL, out, stream_ordered);
     int outside_capture = status == 0 && cdl_stream_outside_capture(rt, stream);
-    cdl_release_point_set(release_at, (int64_t)(intptr_t)stream, arr->device, arr->home_device);
+    cdl_release_point_set(release_at, (int64_t)(intptr_t)stream, arr);
     if (cdl_device_leave(rt, &scope) != 0 && status == 0) {
         cdl_release_copy(*out, arr->device, *stream_ordered ? (int64_t)(intptr_t)stream : 0);
         return cdl_raise_scope_error(&scope);

@@ -84,7 +84,7 @@ static PyObject *cdl_view_from_record(cdl_managed managed, const cdl_array *arr,
     view->device = arr->device;
     view->read_only = arr->read_only;
     view->stream = stream == CDL_STREAM_NO_SYNC ? 0 : stream;
-    cdl_release_point_set(&view->release_at, stream, arr->device, arr->home_device);
+    cdl_release_point_set(&view->release_at, stream, arr);
     view->shape = view->strides = view->typestr = view->data = NULL;
     view->weakreflist = NULL;
     if (cdl_view_describe(view, arr, cdl_managed_tensor(managed)->strides != NULL) < 0) {

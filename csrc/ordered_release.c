@@ -82,14 +82,19 @@ PyThreadState *cdl_attached_thread_state(void)
 #endif
 }
 
-void cdl_release_point_set(cdl_release_point *point, int64_t consumer, DLDevice device, int32_t home_device)
+void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl_array *arr)
 {
+    const DLDevice device = arr->device;
     point->stream = 0;
-    point->device = home_device;
+    point->device = arr->home_device;
     point->thread = 0;
     if (consumer == 0 || consumer == CDL_STREAM_NO_SYNC || !cdl_device_accessible(device.device_type) ||
         !cdl_ordered_release_enabled)
         return;
+    /* No elements: nothing a kernel could read (and the device of its NULL pointer is only a guess). */
+    for (int32_t i = 0; i < arr->ndim; i++)
+        if (arr->shape[i] == 0)
+            return;
     const cdl_cudart *rt = cdl_cudart_loaded();
     if (rt == NULL || rt->event_query == NULL)
         return;

@@ -659,7 +659,7 @@ API cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsi
             if (captures[i].id == recorded_in)
                 invalidate(i, "wait outside the capture on a captured event");
     }
-    else if (capture < 0 && late && event_reached[id] < event_recorded[id]) {
+    else if (code == 0 && capture < 0 && late && event_reached[id] < event_recorded[id]) {
         op wait = {.kind = OP_WAIT, .event = id, .generation = event_recorded[id]};
         code = enqueue(stream, wait);
     }
