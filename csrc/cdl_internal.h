@@ -311,7 +311,8 @@ void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl
 void cdl_release_after(const cdl_release_point *point, cdl_release_fn release, void *argument);
 /* Releases new references to a and b (either may be NULL) after point, as cdl_release_after. */
 void cdl_release_objects_after(const cdl_release_point *point, PyObject *a, PyObject *b);
-/* The calling thread's attached thread state, or NULL: one that holds the GIL detaches around a wait. */
+/* The calling thread's attached thread state, or NULL (none, or the interpreter finalizes): one that holds
+ * the GIL detaches around a wait (PyEval_SaveThread / PyEval_RestoreThread). */
 PyThreadState *cdl_attached_thread_state(void);
 /* Makes the releases whose events have completed, oldest first; never waits. Any thread. */
 void cdl_release_completed(void);

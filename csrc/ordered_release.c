@@ -75,6 +75,10 @@ static void cdl_give_event(const cdl_cudart *rt, unsigned long long key, cudaEve
  * wait for the device, so a host function that needs the GIL cannot deadlock against it. */
 PyThreadState *cdl_attached_thread_state(void)
 {
+    /* While the interpreter finalizes, a thread that let go of the GIL may not get it back (it would be
+     * stopped): it waits holding it. */
+    if (!Py_IsInitialized() || cdl_interpreter_finalizing())
+        return NULL;
 #if PY_VERSION_HEX >= 0x030D0000
     return PyThreadState_GetUnchecked();
 #else
