@@ -327,7 +327,7 @@ def test_device_copy_freed_once_by_its_consumer(cudart):
     watch = weakref.ref(obj)
     del shim, obj
     gc.collect()
-    assert watch() is None  # the copy does not keep its source's owner
+    assert watch() is None  # once the copy has run (at once on this double), the copy keeps no source owner
     cudart.clear_log()
     del view
     assert freed(cudart.log()) == 1
