@@ -144,7 +144,14 @@ static int cdl_api_to_managed_tensor(PyObject *obj, int64_t consumer_stream, DLM
     int status = -1;
     if (cdl_array_of(obj, &arr, &owner, &keepalive) == 0 &&
         (view != NULL || cdl_order_streams(&arr, consumer_stream) == 0)) {
-        *out = cdl_managed_from_array(&arr, owner, keepalive, 1).pointer;
+        cdl_managed managed = cdl_managed_from_array(&arr, owner, keepalive, 1);
+        if (managed.pointer != NULL) {
+            /* Its deleter keeps owner alive until the consumer's stream has run what it queued by then. */
+            cdl_release_point point;
+            cdl_release_point_set(&point, consumer_stream, &arr);
+            cdl_managed_order_release(managed, &point, 0);
+        }
+        *out = managed.pointer;
         status = *out ? 0 : -1;
     }
     Py_XDECREF(keepalive);

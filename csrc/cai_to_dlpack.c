@@ -626,6 +626,17 @@ static int cdl_parse_dl_device(PyObject *dl_device, DLDevice device, DLDevice *t
     return 0;
 }
 
+/* The consumer's tensor keeps owner alive until the work it queued on its stream by the time it lets go has
+ * run (ordered_release.c); and releases that became ready are made now. */
+static void cdl_export_order_release(PyObject *capsule, const cdl_array *arr, int64_t consumer)
+{
+    cdl_release_point point;
+    cdl_release_point_set(&point, consumer, arr);
+    if (point.stream != 0)
+        cdl_capsule_order_release(capsule, &point, 0);
+    cdl_release_completed();
+}
+
 PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
                      PyObject *max_version, PyObject *dl_device, PyObject *copy)
 {
@@ -670,7 +681,7 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
         return NULL;
     }
     if (other_device || copy_asked == 1)
-        return cdl_export_copy(arr, target, consumer, versioned);
+        return cdl_export_copy(arr, target, consumer, owner, keepalive, versioned);
     if (arr->read_only && !versioned) {
         PyErr_SetString(PyExc_BufferError,
                         "the array is read-only, which a legacy 'dltensor' capsule cannot say; ask for "
@@ -680,5 +691,7 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
     PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, versioned);
     if (capsule != NULL && cdl_order_streams(arr, consumer) < 0)
         Py_CLEAR(capsule);
+    if (capsule != NULL)
+        cdl_export_order_release(capsule, arr, consumer);
     return capsule;
 }

@@ -312,6 +312,42 @@ unsigned long long cdl_thread_serial(void);
 void cdl_stream_options_init(void);
 PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
+/* A number for the calling thread that no other thread of the process ever has (thread idents are reused). */
+unsigned long long cdl_thread_serial(void);
+
+/* ordered_release.c: releases ordered after a consumer's stream ------------------------------------ */
+/* Where a release is ordered: after the work queued so far on a consumer's stream. stream 0: at once. */
+typedef struct {
+    int64_t stream;             /* the consumer's stream (1, 2 or a handle), or 0 for none */
+    int32_t device;             /* the device whose primary context the handles 1 and 2 are taken in */
+    unsigned long long thread;  /* for stream 2, the serial of the thread whose per-thread stream it is */
+} cdl_release_point;
+/* How many releases may wait for their events; past that the oldest waits for its event (the README). */
+#define CDL_PENDING_LIMIT 1024
+/* A release of memory a consumer may still use: called once, on any thread, with or without the GIL. */
+typedef void (*cdl_release_fn)(void *argument);
+/* The point after a conversion of arr with consumer stream consumer: none for -1, host memory, an array
+ * without elements, a runtime without events, or ordered release switched off. Any thread. */
+void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl_array *arr);
+/* Calls release(argument) once an event recorded now on point's stream has completed: at a later conversion,
+ * release or pending call of the interpreter, never waiting for the device (but past CDL_PENDING_LIMIT,
+ * where the oldest pending release waits). At once where nothing is to be waited for: point's stream is 0,
+ * or captures a graph (the README: a graph's memory must outlive the graph), or the runtime refuses the
+ * event. Any thread, with or without the GIL, also while the interpreter shuts down. */
+void cdl_release_after(const cdl_release_point *point, cdl_release_fn release, void *argument);
+/* Releases new references to a and b (either may be NULL) after point, as cdl_release_after. */
+void cdl_release_objects_after(const cdl_release_point *point, PyObject *a, PyObject *b);
+/* The calling thread's attached thread state, or NULL (none, or the interpreter finalizes): one that holds
+ * the GIL detaches around a wait (PyEval_SaveThread / PyEval_RestoreThread). */
+PyThreadState *cdl_attached_thread_state(void);
+/* Makes the releases whose events have completed, oldest first; never waits. Any thread. */
+void cdl_release_completed(void);
+/* Registers the bounded wait at interpreter exit. 0 or -1. */
+int cdl_ordered_release_init(PyObject *module);
+/* _pending_releases() and _set_ordered_release(enabled), the tests' view and switch. */
+PyObject *cdl_pending_releases(PyObject *module, PyObject *unused);
+PyObject *cdl_set_ordered_release(PyObject *module, PyObject *enabled);
+
 /* managed_tensor.c: DLPack managed tensors of either layout -------------------------------------- */
 /* The capsule names of the DLPack Python specification, defined once. */
 extern const char cdl_capsule_name_legacy[];      /* "dltensor" */
@@ -352,11 +388,20 @@ cdl_managed cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObje
 PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned);
 /* Frees data of an export that owns it; called once, on any thread, with or without the GIL, also while the
  * interpreter shuts down, so it touches no Python state. */
-typedef void (*cdl_data_release)(void *data, DLDevice device);
+typedef void (*cdl_data_release)(void *data, DLDevice device, int64_t stream);
 /* A capsule like the above whose tensor owns arr->data (a copy): release_data frees it with the tensor, and a
  * versioned tensor's flags carry DLPACK_FLAG_BITMASK_IS_COPIED. The data is owned from the call on: on failure
  * (NULL with an exception) it has been released already. */
 PyObject *cdl_capsule_owning_data(const cdl_array *arr, cdl_data_release release_data, int versioned);
+/* Orders the release of our export (managed, or the tensor of one of our capsules) after the point at: its
+ * deleter then releases owner, keepalive and data once the consumer's work queued by then has run.
+ * data_stream_ordered: the owned data was made by cudaMallocAsync and is freed by cudaFreeAsync on at's
+ * stream, without waiting for an event. */
+void cdl_managed_order_release(cdl_managed managed, const cdl_release_point *at, int data_stream_ordered);
+void cdl_capsule_order_release(PyObject *capsule, const cdl_release_point *at, int data_stream_ordered);
+/* Deletes *managed (a producer's tensor a view held) after the point at, as cdl_release_after; at once for
+ * stream 0. The handle is emptied. */
+void cdl_managed_delete_after(cdl_managed *managed, const cdl_release_point *at);
 /* Takes the tensor out of a DLPack capsule, renaming it used_* so nobody else can. Returns 0, or -1 with
  * BufferError (already consumed) or TypeError (not a DLPack capsule). */
 int cdl_managed_from_capsule(PyObject *capsule, cdl_managed *out);
@@ -411,8 +456,10 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
  * after the producer's stream and issued on consumer's (not waited for); a host copy of CUDA memory is issued on
  * the producer's stream and complete on return, made in relaxed capture mode. NULL with an exception:
  * BufferError naming a layout the runtime's memcpy calls cannot copy on the device, or a consumer stream that
- * captures a graph (host copies), CudaError, MemoryError. */
-PyObject *cdl_export_copy(const cdl_array *arr, DLDevice target, int64_t consumer, int versioned);
+ * captures a graph (host copies), CudaError, MemoryError. The source's owner and keepalive are held (new
+ * references) until the copy has run, and the producer's stream is ordered after it. */
+PyObject *cdl_export_copy(const cdl_array *arr, DLDevice target, int64_t consumer, PyObject *owner,
+                          PyObject *keepalive, int versioned);
 
 /* dlpack_to_cai.c: DLPackView, a managed tensor behind the array interfaces ---------------------- */
 extern PyTypeObject cdl_view_type;

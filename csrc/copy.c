@@ -173,8 +173,22 @@ static cudaError_t cdl_issue_copies(const cdl_cudart *rt, char *destination, con
     return code;
 }
 
-/* cdl_data_release of our copies: host copies are malloc'd, CUDA ones freed in their device's context. */
-static void cdl_release_copy(void *data, DLDevice device)
+/* Whether stream can take stream-ordered work that is no node of a graph: not capturing (nor the legacy
+ * stream while a blocking stream captures). In the current context. */
+static int cdl_stream_outside_capture(const cdl_cudart *rt, cudaStream_t stream)
+{
+    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    unsigned long long capture_id;
+    cudaError_t code = cdl_stream_capture_info(rt, stream, &capture, &capture_id);
+    if (code != cudaSuccess)
+        (void)rt->get_last_error();
+    return code == cudaSuccess && capture == cudaStreamCaptureStatusNone;
+}
+
+/* cdl_data_release of our copies: host copies are malloc'd; CUDA ones are freed in their device's context, by
+ * cudaFreeAsync on stream where they were made by cudaMallocAsync (stream nonzero), else by cudaFree or
+ * cudaFreeHost, which may wait for the device: the calling thread then detaches from the interpreter. */
+static void cdl_release_copy(void *data, DLDevice device, int64_t stream)
 {
     if (device.device_type == kDLCPU) {
         free(data);
@@ -187,7 +201,18 @@ static void cdl_release_copy(void *data, DLDevice device)
     cdl_capture_mode_relax(rt, &relaxed);
     cdl_device_scope scope;
     int entered = device.device_type == kDLCUDA && cdl_device_enter(rt, device.device_id, &scope) == 0;
-    cudaError_t code = device.device_type == kDLCUDAHost ? rt->free_host(data) : rt->free(data);
+    cudaError_t code;
+    if (stream != 0 && rt->free_async != NULL && cdl_stream_outside_capture(rt, (cudaStream_t)(intptr_t)stream)) {
+        code = rt->free_async(data, (cudaStream_t)(intptr_t)stream);
+    }
+    else {
+        PyThreadState *attached = cdl_attached_thread_state();
+        if (attached != NULL)
+            attached = PyEval_SaveThread();
+        code = device.device_type == kDLCUDAHost ? rt->free_host(data) : rt->free(data);
+        if (attached != NULL)
+            PyEval_RestoreThread(attached);
+    }
     if (code != cudaSuccess)
         (void)rt->get_last_error(); /* at exit the runtime may already be unloading */
     if (entered)
@@ -314,9 +339,22 @@ static int cdl_copy_to_host(const cdl_array *arr, const cdl_copy_layout *layout,
     return code == cudaSuccess ? 0 : cdl_raise_cuda_error(failed, code);
 }
 
-/* A new allocation like the source's memory (device, pinned or managed), made in relaxed capture mode. */
-static int cdl_allocate_like(const cdl_cudart *rt, DLDevice device, size_t size, void **out)
+/* A new allocation like the source's memory (device, pinned or managed), made in relaxed capture mode. Device
+ * memory is made by cudaMallocAsync on stream (not NULL) where the runtime has it and stream is outside any capture
+ * (*stream_ordered set: it is freed by cudaFreeAsync, never waiting for the device). */
+static int cdl_allocate_like(const cdl_cudart *rt, DLDevice device, size_t size, cudaStream_t stream, void **out,
+                             int *stream_ordered)
 {
+    *stream_ordered = 0;
+    if (device.device_type == kDLCUDA && stream != NULL && rt->malloc_async != NULL &&
+        cdl_stream_outside_capture(rt, stream)) {
+        cudaError_t made = rt->malloc_async(out, size, stream);
+        if (made == cudaSuccess) {
+            *stream_ordered = 1;
+            return 0;
+        }
+        (void)rt->get_last_error(); /* a device without memory pools: cudaMalloc below */
+    }
     cdl_capture_mode_scope relaxed;
     cdl_capture_mode_relax(rt, &relaxed);
     const char *call = device.device_type == kDLCUDAHost ? "cudaMallocHost"
@@ -328,11 +366,31 @@ static int cdl_allocate_like(const cdl_cudart *rt, DLDevice device, size_t size,
     return code == cudaSuccess ? 0 : cdl_raise_cuda_error(call, code);
 }
 
+/* After the copies queued on stream: the producer's stream waits for them (an event, as stream ordering makes
+ * one; nothing when the producer gave no stream, or copied on its own), and owner and keepalive are released
+ * once they have run. 0, or -1 with an exception (the copies are queued all the same). */
+static int cdl_keep_source_until_copied(const cdl_array *arr, int64_t stream, PyObject *owner, PyObject *keepalive)
+{
+    cdl_release_point point;
+    cdl_release_point_set(&point, stream, arr);
+    cdl_release_objects_after(&point, owner, keepalive);
+    if (arr->stream == 0 || arr->stream == stream || !cdl_option_sync)
+        return 0;
+    cdl_array copied = *arr;
+    copied.stream = stream;
+    return cdl_order_streams(&copied, arr->stream);
+}
+
 /* CUDA memory to a new allocation of the same kind: ordered after the producer's stream, issued on the
- * consumer's (the producer's for consumer -1, which asks for no ordering), and not waited for. An empty array
- * is copied by no call at all, so its layout is never planned (nor refused). */
+ * consumer's (the producer's for consumer -1, which asks for no ordering), and not waited for. The source is
+ * kept alive (owner, keepalive) until the copy has run, and the producer's stream is ordered after the copy,
+ * so the producer's allocator cannot hand the source to other work before the copy read it (outside graph
+ * captures: a captured copy runs at each launch of the graph, whose sources must outlive it, as the README
+ * says). *release_at: where the copy's own memory is released; *stream_ordered as cdl_allocate_like's. An
+ * empty array is copied by no call at all, so its layout is never planned (nor refused). */
 static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layout, int64_t itemsize, int64_t count,
-                              int64_t consumer, void **out)
+                              int64_t consumer, PyObject *owner, PyObject *keepalive, void **out,
+                              cdl_release_point *release_at, int *stream_ordered)
 {
     const cdl_cudart *rt = cdl_cudart_get();
     if (rt == NULL)
@@ -356,12 +414,18 @@ static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layou
                      strides, CDL_COPY_MAX_CALLS);
         return -1;
     }
+    *stream_ordered = 0;
+    cudaStream_t stream = consumer == CDL_STREAM_NO_SYNC ? cdl_producer_stream(arr) : (cudaStream_t)(intptr_t)consumer;
     cdl_device_scope scope;
     if (cdl_device_enter(rt, arr->home_device, &scope) != 0)
         return cdl_raise_scope_error(&scope);
-    int status = cdl_allocate_like(rt, arr->device, (size_t)(count > 0 ? count * itemsize : 1), out);
+    /* An empty copy is a byte nobody reads: made and freed at once (no stream, no release point). */
+    int status = cdl_allocate_like(rt, arr->device, (size_t)(count > 0 ? count * itemsize : 1),
+                                   count > 0 ? stream : NULL, out, stream_ordered);
+    int outside_capture = status == 0 && cdl_stream_outside_capture(rt, stream);
+    cdl_release_point_set(release_at, (int64_t)(intptr_t)stream, arr);
     if (cdl_device_leave(rt, &scope) != 0 && status == 0) {
-        cdl_release_copy(*out, arr->device);
+        cdl_release_copy(*out, arr->device, *stream_ordered ? (int64_t)(intptr_t)stream : 0);
         return cdl_raise_scope_error(&scope);
     }
     if (status < 0)
@@ -370,7 +434,6 @@ static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layou
         return 0;
     if (cdl_order_streams(arr, consumer) < 0)
         goto fail;
-    cudaStream_t stream = consumer == CDL_STREAM_NO_SYNC ? cdl_producer_stream(arr) : (cudaStream_t)(intptr_t)consumer;
     /* A legacy or per-thread consumer names that stream of the caller's current device. For pinned and managed
      * memory, which every device reaches, that need not be the allocation's device: the copies go onto the
      * consumer's stream in the caller's own context, right after the wait on the producer that
@@ -392,13 +455,16 @@ static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layou
         cdl_raise_cuda_error(failed, code);
         goto fail;
     }
+    if (outside_capture && cdl_keep_source_until_copied(arr, (int64_t)(intptr_t)stream, owner, keepalive) < 0)
+        goto fail; /* freed in the stream's order: after the copies queued */
     return 0;
 fail:
-    cdl_release_copy(*out, arr->device);
+    cdl_release_copy(*out, arr->device, *stream_ordered ? (int64_t)(intptr_t)stream : 0);
     return -1;
 }
 
-PyObject *cdl_export_copy(const cdl_array *arr, DLDevice target, int64_t consumer, int versioned)
+PyObject *cdl_export_copy(const cdl_array *arr, DLDevice target, int64_t consumer, PyObject *owner,
+                          PyObject *keepalive, int versioned)
 {
     int64_t itemsize = cdl_itemsize(arr->dtype), count = 1, bytes;
     for (int32_t i = 0; i < arr->ndim; i++)
@@ -437,8 +503,16 @@ PyObject *cdl_export_copy(const cdl_array *arr, DLDevice target, int64_t consume
             return NULL;
         }
     }
-    else if (cdl_copy_on_device(arr, &layout, itemsize, count, consumer, &copy.data) < 0) {
-        return NULL;
+    else {
+        cdl_release_point release_at;
+        int stream_ordered = 0;
+        if (cdl_copy_on_device(arr, &layout, itemsize, count, consumer, owner, keepalive, &copy.data, &release_at,
+                               &stream_ordered) < 0)
+            return NULL;
+        PyObject *capsule = cdl_capsule_owning_data(&copy, cdl_release_copy, versioned);
+        if (capsule != NULL)
+            cdl_capsule_order_release(capsule, &release_at, stream_ordered);
+        return capsule;
     }
     return cdl_capsule_owning_data(&copy, cdl_release_copy, versioned);
 }

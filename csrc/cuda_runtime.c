@@ -50,6 +50,15 @@ static const char *cdl_resolve_symbols(void *handle, cdl_cudart *table)
 #undef CDL_RESOLVE
     /* Optional: without it the allocator's calls are made in the thread's own capture mode. */
     *(void **)(&table->thread_exchange_stream_capture_mode) = dlsym(handle, "cudaThreadExchangeStreamCaptureMode");
+    /* Optional: without them releases are not ordered after the consumer's stream (ordered_release.c). */
+    *(void **)(&table->event_query) = dlsym(handle, "cudaEventQuery");
+    *(void **)(&table->event_synchronize) = dlsym(handle, "cudaEventSynchronize");
+    if (table->event_query == NULL || table->event_synchronize == NULL)
+        table->event_query = NULL, table->event_synchronize = NULL;
+    *(void **)(&table->malloc_async) = dlsym(handle, "cudaMallocAsync");
+    *(void **)(&table->free_async) = dlsym(handle, "cudaFreeAsync");
+    if (table->malloc_async == NULL || table->free_async == NULL)
+        table->malloc_async = NULL, table->free_async = NULL;
     return NULL;
 }
 

@@ -39,6 +39,13 @@ typedef struct cdl_cudart {
     cudaError_t (*stream_synchronize)(cudaStream_t);
     /* cudaDevAttrMaxPitch: the widest pitch (and row) a 2D copy takes. */
     cudaError_t (*device_get_attribute)(int *, enum cudaDeviceAttr, int);
+    /* Optional, for releases ordered after a consumer's stream (ordered_release.c): NULL where the runtime
+     * lacks them (then a release is made at once, as without a stream). cudaMallocAsync/cudaFreeAsync
+     * (CUDA 11.2) make and free our device copies in stream order. */
+    cudaError_t (*event_query)(cudaEvent_t);
+    cudaError_t (*event_synchronize)(cudaEvent_t);
+    cudaError_t (*malloc_async)(void **, size_t, cudaStream_t);
+    cudaError_t (*free_async)(void *, cudaStream_t);
     /* Swaps the calling thread's capture-interaction mode (CUDA 10.1); NULL where the runtime lacks it. */
     cudaError_t (*thread_exchange_stream_capture_mode)(enum cudaStreamCaptureMode *);
     /* The driver's, handed out by cudaGetDriverEntryPoint[ByVersion] (no libcuda of our own); NULL

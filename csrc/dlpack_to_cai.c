@@ -12,6 +12,7 @@ typedef struct {
     int read_only;
     int64_t stream;         /* the stream the producer made the data ready on; 0: none (no sync asked) */
     int host_ready;         /* the host has waited for stream once (pinned, managed memory): atomic */
+    cdl_release_point release_at; /* the producer's tensor is deleted after the work queued there by then */
     PyObject *shape;        /* tuple */
     PyObject *strides;      /* tuple of byte strides, or None for C-contiguous (always for empty arrays) */
     PyObject *typestr;
@@ -85,6 +86,7 @@ static PyObject *cdl_view_from_record(cdl_managed managed, const cdl_array *arr,
     view->read_only = arr->read_only;
     view->stream = stream == CDL_STREAM_NO_SYNC ? 0 : stream;
     view->host_ready = 0;
+    cdl_release_point_set(&view->release_at, stream, arr);
     view->shape = view->strides = view->typestr = view->data = NULL;
     view->weakreflist = NULL;
     if (cdl_view_describe(view, arr, cdl_managed_tensor(managed)->strides != NULL) < 0) {
@@ -285,6 +287,7 @@ PyObject *cdl_view_from_object(PyObject *obj, PyObject *stream, int exchange)
     int64_t consumer;
     if (cdl_parse_stream(stream, "stream", 1, &consumer) < 0)
         return NULL;
+    cdl_release_completed();
     PyObject *view;
     if (exchange && !PyCapsule_CheckExact(obj) && cdl_view_from_exchange_api(obj, consumer, &view) != 0)
         return view;
@@ -315,7 +318,7 @@ static void cdl_view_dealloc(cdl_view *self)
     Py_XDECREF(self->strides);
     Py_XDECREF(self->typestr);
     Py_XDECREF(self->data);
-    cdl_managed_delete(&self->managed);
+    cdl_managed_delete_after(&self->managed, &self->release_at);
     PyObject_Free(self);
 }
 

@@ -1,6 +1,6 @@
 /* Tensors the DLPack exchange API's managed_tensor_allocator makes for a consumer: host memory, or
  * device, pinned and managed memory from the CUDA runtime, in the right context and without breaking a
- * graph capture. No Python here. */
+ * graph capture. No Python here (a deleter only lets go of the GIL around a free that may wait). */
 #include "cdl_internal.h"
 #include "cuda_runtime_table.h"
 
@@ -25,7 +25,12 @@ static void cdl_free_made_tensor(DLManagedTensorVersioned *self)
         free(self->dl_tensor.data);
     }
     else if (rt != NULL) {
-        /* A deleter may run during a capture (a consumer dropping its output), on any thread. */
+        /* A deleter may run during a capture (a consumer dropping its output), on any thread. cudaFree and
+         * cudaFreeHost may wait for the device: a thread holding the GIL lets go of it meanwhile, so a host
+         * function that needs the GIL cannot deadlock against the wait. */
+        PyThreadState *attached = cdl_attached_thread_state();
+        if (attached != NULL)
+            attached = PyEval_SaveThread();
         cdl_capture_mode_scope relaxed;
         cdl_capture_mode_relax(rt, &relaxed);
         if (type == kDLCUDAHost) {
@@ -44,6 +49,8 @@ static void cdl_free_made_tensor(DLManagedTensorVersioned *self)
                 (void)cdl_device_leave(rt, &scope);
         }
         cdl_capture_mode_leave(rt, &relaxed);
+        if (attached != NULL)
+            PyEval_RestoreThread(attached);
     }
     free(made);
 }

@@ -50,14 +50,29 @@ typedef struct {
     cdl_data_release release_data;
     void *owned_data;
     DLDevice owned_device;
+    /* Where the release is ordered (stream 0: at once); data_stream_ordered: the owned data is freed in the
+     * consumer stream's order (cudaFreeAsync), so the block waits for no event. */
+    cdl_release_point release_at;
+    int data_stream_ordered;
     int64_t dims[];
 } cdl_export_block;
+
+/* The stream a block's owned data is freed on: the consumer's where that free is stream-ordered, else 0. */
+static int64_t cdl_data_stream(const cdl_export_block *block)
+{
+    if (!block->data_stream_ordered)
+        return 0;
+    /* Another thread's per-thread stream cannot be named here; the legacy stream comes after its work. */
+    if (block->release_at.stream == CDL_STREAM_PER_THREAD && block->release_at.thread != cdl_thread_serial())
+        return CDL_STREAM_LEGACY;
+    return block->release_at.stream;
+}
 
 /* The block's references and memory, under the GIL (Python's allocator made it: small, and fast). */
 static void cdl_free_block(cdl_export_block *block)
 {
     if (block->release_data != NULL)
-        block->release_data(block->owned_data, block->owned_device);
+        block->release_data(block->owned_data, block->owned_device, cdl_data_stream(block));
     Py_XDECREF(block->owner);
     Py_XDECREF(block->keepalive);
     PyMem_Free(block);
@@ -94,13 +109,65 @@ static void cdl_release_block(cdl_export_block *block)
      * the block and its references are left behind with it (the process is ending). Owned data is freed
      * all the same: its release touches no Python state. */
     else if (block->release_data != NULL) {
-        block->release_data(block->owned_data, block->owned_device);
+        block->release_data(block->owned_data, block->owned_device, cdl_data_stream(block));
     }
 }
 
-static void cdl_delete_legacy(DLManagedTensor *self) { cdl_release_block(self->manager_ctx); }
+static void cdl_release_block_later(void *block) { cdl_release_block(block); }
 
-static void cdl_delete_versioned(DLManagedTensorVersioned *self) { cdl_release_block(self->manager_ctx); }
+/* A consumer's deleter: what the tensor keeps alive is released once the work the consumer queued on its
+ * stream so far has run (ordered_release.c); a copy's own memory goes back in that stream's order. */
+static void cdl_release_ordered(cdl_export_block *block)
+{
+    if (block->release_at.stream == 0 || block->data_stream_ordered)
+        cdl_release_block(block);
+    else
+        cdl_release_after(&block->release_at, cdl_release_block_later, block);
+}
+
+static void cdl_delete_legacy(DLManagedTensor *self) { cdl_release_ordered(self->manager_ctx); }
+
+static void cdl_delete_versioned(DLManagedTensorVersioned *self) { cdl_release_ordered(self->manager_ctx); }
+
+void cdl_managed_order_release(cdl_managed managed, const cdl_release_point *at, int data_stream_ordered)
+{
+    cdl_export_block *block = managed.versioned ? ((DLManagedTensorVersioned *)managed.pointer)->manager_ctx
+                                                : ((DLManagedTensor *)managed.pointer)->manager_ctx;
+    block->release_at = *at;
+    block->data_stream_ordered = data_stream_ordered && at->stream != 0;
+}
+
+void cdl_capsule_order_release(PyObject *capsule, const cdl_release_point *at, int data_stream_ordered)
+{
+    const char *name = PyCapsule_GetName(capsule);
+    cdl_managed managed = {PyCapsule_GetPointer(capsule, name), name == cdl_capsule_name_versioned};
+    cdl_managed_order_release(managed, at, data_stream_ordered);
+}
+
+/* A foreign tensor a view held, deleted once its consumer's work has run (the copy of the handle is ours). */
+static void cdl_managed_delete_now(void *argument)
+{
+    cdl_managed *managed = argument;
+    if (Py_IsInitialized() && !cdl_interpreter_finalizing()) {
+        PyGILState_STATE state = PyGILState_Ensure();
+        cdl_managed_delete(managed);
+        PyGILState_Release(state);
+    }
+    /* Else the producer's deleter is not called: it may need the interpreter that is going. */
+    free(managed);
+}
+
+void cdl_managed_delete_after(cdl_managed *managed, const cdl_release_point *at)
+{
+    cdl_managed *later = at->stream != 0 ? malloc(sizeof(cdl_managed)) : NULL;
+    if (later == NULL) {
+        cdl_managed_delete(managed);
+        return;
+    }
+    *later = *managed;
+    managed->pointer = NULL;
+    cdl_release_after(at, cdl_managed_delete_now, later);
+}
 
 cdl_managed cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned)
 {
@@ -143,6 +210,8 @@ cdl_managed cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObje
     block->owner = Py_XNewRef(owner);
     block->keepalive = Py_XNewRef(keepalive);
     block->release_data = NULL;
+    block->release_at.stream = 0;
+    block->data_stream_ordered = 0;
     return managed;
 }
 
@@ -191,7 +260,7 @@ PyObject *cdl_capsule_owning_data(const cdl_array *arr, cdl_data_release release
 {
     cdl_managed managed = cdl_managed_from_array(arr, NULL, NULL, versioned);
     if (managed.pointer == NULL) {
-        release_data(arr->data, arr->device);
+        release_data(arr->data, arr->device, 0);
         return NULL;
     }
     cdl_export_block *block = managed.versioned ? ((DLManagedTensorVersioned *)managed.pointer)->manager_ctx

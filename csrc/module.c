@@ -72,6 +72,14 @@ static PyMethodDef cdl_module_methods[] = {
      "_set_interface_cache($module, enabled, /)\n--\n\n"
      "Keeps validated interface dicts (True, the default) or reads every dict afresh (False), for benchmarks "
      "and tests; returns _interface_cache_info()."},
+    {"_pending_releases", cdl_pending_releases, METH_NOARGS,
+     "_pending_releases($module, /)\n--\n\n"
+     "Makes the releases whose consumer stream has run, then returns how many still wait (pending), the bound "
+     "(limit), how many waited past it (waited) and whether ordered release is on (for tests)."},
+    {"_set_ordered_release", cdl_set_ordered_release, METH_O,
+     "_set_ordered_release($module, enabled, /)\n--\n\n"
+     "Orders releases after the consumer's stream (True, the default) or releases at once (False), for tests "
+     "that show what goes wrong without it; returns _pending_releases()."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -114,7 +122,7 @@ PyMODINIT_FUNC PyInit__core(void)
         PyModule_AddObjectRef(module, "DLPackView", (PyObject *)&cdl_view_type) < 0 ||
         cdl_add_new_object(module, "DLPACK_VERSION", Py_BuildValue("(ii)", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION)) < 0 ||
         PyModule_AddIntConstant(module, "CUDART_HEADER_MAJOR", CDL_CUDART_HEADER_MAJOR) < 0 ||
-        cdl_c_api_init(module) < 0) {
+        cdl_c_api_init(module) < 0 || cdl_ordered_release_init(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

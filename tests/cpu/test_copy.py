@@ -247,6 +247,11 @@ def test_host_copy_past_the_call_limit_is_staged(cudart):
     assert copies_in(cudart.log()) == [f"cudaMemcpyAsync({allocation.nbytes - 4} bytes, kind 4, {S1})"]
 
 
+def freed(log):
+    """How many copies were freed: by cudaFree, or stream-ordered by cudaFreeAsync (memory from cudaMallocAsync)."""
+    return sum(line == "cudaFree()" or line.startswith("cudaFreeAsync(") for line in log)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_device_copy_of_every_layout(cudart, layout):
     source, obj = device_source(cudart, layout)
@@ -263,7 +268,7 @@ def test_device_copy_of_every_layout(cudart, layout):
     assert not lo <= fields["data"] < hi
     log = cudart.log()
     assert not any("Synchronize" in line for line in log)  # the host does not wait
-    assert any(line.startswith("cudaMalloc(") for line in log)
+    assert any(line.startswith(("cudaMalloc(", "cudaMallocAsync(")) for line in log)
     if source.size == 0:
         assert copies_in(log) == []
         return
@@ -325,10 +330,10 @@ def test_device_copy_freed_once_by_its_consumer(cudart):
     watch = weakref.ref(obj)
     del shim, obj
     gc.collect()
-    assert watch() is None  # the copy does not keep its source's owner
+    assert watch() is None  # once the copy has run (at once on this double), the copy keeps no source owner
     cudart.clear_log()
     del view
-    assert cudart.log().count("cudaFree()") == 1
+    assert freed(cudart.log()) == 1
 
 
 def test_device_copy_freed_on_a_thread_without_the_gil(cudart):
@@ -341,9 +346,9 @@ def test_device_copy_freed_on_a_thread_without_the_gil(cudart):
     cudart.lib.double_call_in_thread.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     cudart.clear_log()
     assert cudart.lib.double_call_in_thread(deleter, address) == 0
-    assert cudart.log().count("cudaFree()") == 1
+    assert freed(cudart.log()) == 1
     del capsule
-    assert cudart.log().count("cudaFree()") == 1
+    assert freed(cudart.log()) == 1
 
 
 def test_device_copy_freed_while_the_interpreter_finalizes(tmp_path):
@@ -378,7 +383,7 @@ def test_device_copy_freed_while_the_interpreter_finalizes(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["exiting", "finalizing", "True"]
-    assert log_path.read_text().splitlines().count("cudaFree()") == 1
+    assert freed(log_path.read_text().splitlines()) == 1
 
 
 def test_copy_none_and_false_share_device_memory(cudart):
@@ -424,11 +429,12 @@ def test_failed_device_copy_frees_its_allocation(cudart, call):
     with pytest.raises(CudaError, match=call):
         DLPackShim(obj).__dlpack__(stream=S2, copy=True)
     log = cudart.log()
-    assert sum(line.startswith("cudaMalloc(") for line in log) == log.count("cudaFree()") == 1
+    assert sum(line.startswith(("cudaMalloc(", "cudaMallocAsync(")) for line in log) == freed(log) == 1
 
 
 def test_failed_allocation_raises(cudart):
     source, obj = device_source(cudart, "contiguous")
+    cudart.fail("cudaMallocAsync", 2)  # a stream-ordered allocation that fails is tried once more with cudaMalloc
     cudart.fail("cudaMalloc", 2)
     with pytest.raises(CudaError, match="cudaMalloc.*cudaErrorMemoryAllocation"):
         DLPackShim(obj).__dlpack__(copy=True)
@@ -701,7 +707,8 @@ def test_pinned_copy_for_the_same_legacy_stream_on_the_allocations_device_is_not
     cudart.clear_log()
     capsule = DLPackShim(obj).__dlpack__(stream=1, copy=True, max_version=(1, 0))
     np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
-    assert not any(line.startswith(("cudaEventRecord", "cudaStreamWaitEvent")) for line in cudart.log())
+    # (an event may be recorded after the copy: the source is kept until it has run; no stream waits on another)
+    assert not any(line.startswith("cudaStreamWaitEvent") for line in cudart.log())
     cudart.fail("cudaGetDevice", 999)  # asking where the caller is fails (reached first by a zero-copy export)
     cudart.clear_log()
     with pytest.raises(CudaError, match="^cudaGetDevice failed: cudaErrorUnknown"):

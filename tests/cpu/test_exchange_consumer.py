@@ -39,9 +39,12 @@ def address(view):
 
 
 def ordering(cudart):
-    """(streams recorded on, streams made to wait) in the double's log."""
+    """(streams recorded on, streams made to wait) in the double's log. A record whose event no stream waits on is a
+    dropped tensor's release (ordered after its consumer's stream), not ordering."""
     log = cudart.log()
-    records = [int(line.rsplit(", ", 1)[1].rstrip(")"), 0) for line in log if line.startswith("cudaEventRecord")]
+    waited = {line.split(", ")[1] for line in log if line.startswith("cudaStreamWaitEvent")}
+    records = [int(line.rsplit(", ", 1)[1].rstrip(")"), 0) for line in log
+               if line.startswith("cudaEventRecord") and line.split("(", 1)[1].split(",")[0] in waited]
     waits = [int(line.split("(", 1)[1].split(",")[0], 0) for line in log if line.startswith("cudaStreamWaitEvent")]
     return records, waits
 

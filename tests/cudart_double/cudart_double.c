@@ -133,6 +133,38 @@ static int same_stream(stream_identity a, stream_identity b)
 }
 static __thread int thread_capture_mode = MODE_GLOBAL;
 
+/* The late-running device (double_set_late): each stream is a FIFO of queued work (copies, event records,
+ * waits, host functions, stream-ordered frees) that runs only when something forces it: cudaStreamSynchronize,
+ * cudaDeviceSynchronize, cudaEventSynchronize, cudaFree (which waits for the device), or a test's
+ * double_run_stream / double_run_all. cudaEventQuery only looks: an event is complete once its stream has run
+ * past its latest record. A stream waiting on an event cannot pass that point before the event's stream ran up
+ * to it. Freed device memory is poisoned (0xDD) and handed out again by the next allocation of the same size,
+ * as a caching allocator would. Outside this mode every call runs at once, as before. The per-thread default
+ * stream is one queue for every thread. */
+enum { OP_COPY, OP_RECORD, OP_WAIT, OP_HOST, OP_FREE };
+typedef struct op {
+    int kind;
+    void *destination;
+    const void *source;
+    size_t destination_pitch, source_pitch, width, height;
+    int event;
+    unsigned generation;
+    void (*function)(void *);
+    void *argument;
+    struct op *next;
+} op;
+#define MAX_QUEUES 64
+static struct { uintptr_t handle; op *head, *tail; } queues[MAX_QUEUES];
+static int queue_count;
+static int late;
+static unsigned event_recorded[MAX_EVENTS], event_reached[MAX_EVENTS]; /* records issued, records run */
+static uintptr_t event_queue[MAX_EVENTS]; /* the stream of the event's latest record */
+static int sync_calls; /* calls that wait for the device */
+static unsigned long calls; /* every runtime and driver call (the log's entries and the unlogged queries) */
+#define MAX_ALLOCATIONS 256
+static struct { void *pointer; size_t size; int free; } allocations[MAX_ALLOCATIONS];
+static int allocation_count;
+
 static const struct { int code; const char *name; const char *text; } error_table[] = {
     {0, "cudaSuccess", "no error"},
     {1, "cudaErrorInvalidValue", "invalid argument"},
@@ -154,6 +186,7 @@ static const struct { int code; const char *name; const char *text; } error_tabl
 
 static void vnote(const char *format, va_list args)
 {
+    calls++;
     if (log_length < sizeof(log_text) - 256) {
         log_length += (size_t)vsnprintf(log_text + log_length, sizeof(log_text) - log_length, format, args);
         if (log_context)
@@ -284,6 +317,125 @@ static int unsafe_call(const char *call)
         }
     }
     return code;
+}
+
+/* ---- the late-running device's queues (lock held throughout, except while a host function runs) ---- */
+
+static int queue_of(uintptr_t handle)
+{
+    for (int i = 0; i < queue_count; i++)
+        if (queues[i].handle == handle)
+            return i;
+    if (queue_count == MAX_QUEUES)
+        abort();
+    queues[queue_count].handle = handle;
+    queues[queue_count].head = queues[queue_count].tail = NULL;
+    return queue_count++;
+}
+
+/* Queues a copy of o on stream; cudaErrorMemoryAllocation when the host has no room. */
+static int enqueue(cudaStream_t stream, op o)
+{
+    op *queued = malloc(sizeof(op));
+    if (queued == NULL)
+        return last_error = 2;
+    *queued = o;
+    queued->next = NULL;
+    int q = queue_of((uintptr_t)stream);
+    if (queues[q].tail != NULL)
+        queues[q].tail->next = queued;
+    else
+        queues[q].head = queued;
+    queues[q].tail = queued;
+    return 0;
+}
+
+static int allocation_index(const void *pointer)
+{
+    for (int i = 0; i < allocation_count; i++)
+        if (allocations[i].pointer == pointer)
+            return i;
+    return -1;
+}
+
+/* Device memory given back: poisoned and kept for the next allocation of its size in late mode, else freed. */
+static void release_memory(void *pointer)
+{
+    for (int i = 0; i < region_count; i++) {
+        if (regions[i].start == (uintptr_t)pointer && regions[i].type == 2) {
+            regions[i] = regions[--region_count];
+            break;
+        }
+    }
+    int i = allocation_index(pointer);
+    if (i >= 0 && late) {
+        memset(pointer, 0xDD, allocations[i].size);
+        allocations[i].free = 1;
+        return;
+    }
+    if (i >= 0)
+        allocations[i] = allocations[--allocation_count];
+    free(pointer);
+}
+
+static int run_one(int q);
+
+/* Runs queues until event has reached the record it had when the wait was queued. */
+static void run_until(int event, unsigned generation)
+{
+    while (event_reached[event] < generation && run_one(queue_of(event_queue[event])))
+        ;
+}
+
+/* Runs the head of queue q; 0 when it was empty. */
+static int run_one(int q)
+{
+    op *o = queues[q].head;
+    if (o == NULL)
+        return 0;
+    queues[q].head = o->next;
+    if (queues[q].head == NULL)
+        queues[q].tail = NULL;
+    switch (o->kind) {
+    case OP_COPY:
+        for (size_t row = 0; row < o->height; row++)
+            memmove((char *)o->destination + row * o->destination_pitch,
+                    (const char *)o->source + row * o->source_pitch, o->width);
+        break;
+    case OP_RECORD:
+        if (event_reached[o->event] < o->generation)
+            event_reached[o->event] = o->generation;
+        break;
+    case OP_WAIT:
+        run_until(o->event, o->generation);
+        break;
+    case OP_HOST:
+        pthread_mutex_unlock(&lock);
+        o->function(o->argument);
+        pthread_mutex_lock(&lock);
+        break;
+    case OP_FREE:
+        release_memory(o->destination);
+        break;
+    }
+    free(o);
+    return 1;
+}
+
+static void run_queue(uintptr_t handle)
+{
+    int q = queue_of(handle);
+    while (run_one(q))
+        ;
+}
+
+static void run_all(void)
+{
+    for (int more = 1; more;) {
+        more = 0;
+        for (int q = 0; q < queue_count; q++)
+            more |= run_one(q);
+    }
 }
 
 /* ---- runtime API ------------------------------------------------------------------------------- */
@@ -454,6 +606,15 @@ API cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
     int capture = code == 0 ? capture_index(stream) : -1;
     if (capture >= 0 && captures[capture].invalidated)
         code = last_error = 901;
+    if (code == 0 && capture < 0) {
+        event_recorded[id]++;
+        event_queue[id] = (uintptr_t)stream;
+        op record = {.kind = OP_RECORD, .event = id, .generation = event_recorded[id]};
+        if (!late)
+            event_reached[id] = event_recorded[id];
+        else
+            code = enqueue(stream, record);
+    }
     if (code == 0) {
         event_capture[id] = capture >= 0 ? captures[capture].id : 0;
         stream_identity here = {(uintptr_t)stream, context_device, thread_serial()};
@@ -506,6 +667,10 @@ API cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsi
         for (int i = 0; i < capture_count; i++)
             if (captures[i].id == recorded_in)
                 invalidate(i, "wait outside the capture on a captured event");
+    }
+    else if (code == 0 && capture < 0 && late && event_reached[id] < event_recorded[id]) {
+        op wait = {.kind = OP_WAIT, .event = id, .generation = event_recorded[id]};
+        code = enqueue(stream, wait);
     }
     pthread_mutex_unlock(&lock);
     return code;
@@ -598,6 +763,13 @@ static cudaError_t synchronize(const char *what, cudaStream_t stream, int whole_
         invalidate(capture, what);
         code = last_error = 900;
     }
+    if (code == 0) {
+        sync_calls++;
+        if (whole_device)
+            run_all();
+        else
+            run_queue((uintptr_t)stream);
+    }
     pthread_mutex_unlock(&lock);
     return code;
 }
@@ -627,7 +799,11 @@ API cudaError_t cudaMemcpyAsync(void *destination, const void *source, size_t co
     pthread_mutex_lock(&lock);
     note("cudaMemcpyAsync(%zu bytes, kind %d, %lu)", count, kind, (unsigned long)(uintptr_t)stream);
     int code = copy_allowed("cudaMemcpyAsync", stream);
-    if (code == 0 && count > 0)
+    op copy = {.kind = OP_COPY, .destination = destination, .source = source, .destination_pitch = count,
+               .source_pitch = count, .width = count, .height = 1};
+    if (code == 0 && count > 0 && late && capture_index(stream) < 0)
+        code = enqueue(stream, copy);
+    else if (code == 0 && count > 0)
         memmove(destination, source, count);
     pthread_mutex_unlock(&lock);
     return code;
@@ -645,6 +821,12 @@ API cudaError_t cudaMemcpy2DAsync(void *destination, size_t destination_pitch, c
         code = last_error = INVALID_VALUE;
     if (code == 0 && (destination_pitch > max_pitch || source_pitch > max_pitch))
         code = last_error = 12; /* cudaErrorInvalidPitchValue: above cudaDevAttrMaxPitch */
+    op copy = {.kind = OP_COPY, .destination = destination, .source = source, .destination_pitch = destination_pitch,
+               .source_pitch = source_pitch, .width = width, .height = height};
+    if (code == 0 && late && capture_index(stream) < 0) {
+        code = enqueue(stream, copy);
+        height = 0;
+    }
     for (size_t row = 0; code == 0 && row < height; row++)
         memmove((char *)destination + row * destination_pitch, (const char *)source + row * source_pitch, width);
     pthread_mutex_unlock(&lock);
@@ -918,10 +1100,22 @@ API cudaError_t cudaGetDriverEntryPoint(const char *symbol, void **function, uns
     return code;
 }
 
-/* Device allocations are host memory here, so tests can read what a consumer wrote. */
+/* Device allocations are host memory here, so tests can read what a consumer wrote. In late mode a freed block
+ * of the same size is handed out again (poisoned, 0xDD, as it was freed). */
 static void *remember(const char *call, void **pointer, size_t size)
 {
-    *pointer = malloc(size ? size : 1);
+    size = size ? size : 1;
+    *pointer = NULL;
+    for (int i = 0; late && i < allocation_count && *pointer == NULL; i++) {
+        if (allocations[i].free && allocations[i].size == size) {
+            allocations[i].free = 0;
+            *pointer = allocations[i].pointer;
+        }
+    }
+    if (*pointer == NULL && (*pointer = malloc(size)) != NULL && allocation_count < MAX_ALLOCATIONS) {
+        allocations[allocation_count].pointer = *pointer, allocations[allocation_count].size = size;
+        allocations[allocation_count++].free = 0;
+    }
     note("%s(%zu) -> %s", call, size, *pointer ? "ok" : "out of memory");
     return *pointer;
 }
@@ -972,36 +1166,111 @@ API cudaError_t cudaMallocManaged(void **pointer, size_t size, unsigned int flag
     return code;
 }
 
-API cudaError_t cudaFree(void *pointer)
+/* cudaFree and cudaFreeHost wait for the device (all queued work runs first): counted as synchronizing. */
+static cudaError_t free_now(const char *call, void *pointer)
 {
     pthread_mutex_lock(&lock);
-    note("cudaFree()");
-    if (unsafe_call("cudaFree") != 0) {
+    note("%s()", call);
+    if (unsafe_call(call) != 0) {
         pthread_mutex_unlock(&lock);
         return 900;
     }
-    for (int i = 0; i < region_count; i++) {
-        if (regions[i].start == (uintptr_t)pointer && regions[i].type == 2) {
-            regions[i] = regions[--region_count];
-            break;
-        }
-    }
-    free(pointer);
+    sync_calls++;
+    run_all();
+    release_memory(pointer);
     pthread_mutex_unlock(&lock);
     return 0;
 }
 
-API cudaError_t cudaFreeHost(void *pointer)
+API cudaError_t cudaFree(void *pointer) { return free_now("cudaFree", pointer); }
+
+API cudaError_t cudaFreeHost(void *pointer) { return free_now("cudaFreeHost", pointer); }
+
+/* Stream-ordered allocation (CUDA 11.2): made at once here, from the same pool as cudaMalloc's. */
+API cudaError_t cudaMallocAsync(void **pointer, size_t size, cudaStream_t stream)
 {
     pthread_mutex_lock(&lock);
-    note("cudaFreeHost()");
-    if (unsafe_call("cudaFreeHost") != 0) {
-        pthread_mutex_unlock(&lock);
-        return 900;
-    }
-    free(pointer);
+    int code = injected("cudaMallocAsync");
+    if (code == 0)
+        bind_context();
+    if (code == 0 && capture_index(stream) >= 0)
+        code = last_error = 900; /* a graph allocation node: the double has none */
+    if (code == 0 && remember("cudaMallocAsync", pointer, size) == NULL)
+        code = last_error = 2;
+    if (code == 0 && region_count < MAX_REGIONS)
+        regions[region_count].start = (uintptr_t)*pointer, regions[region_count].size = size ? size : 1,
+        regions[region_count].type = 2, regions[region_count].device = context_device, region_count++;
+    if (code != 0)
+        note("cudaMallocAsync(%zu, %lu) -> error %d", size, (unsigned long)(uintptr_t)stream, code);
     pthread_mutex_unlock(&lock);
-    return 0;
+    return code;
+}
+
+/* The block is given back when stream reaches the free: queued in late mode, at once otherwise. */
+API cudaError_t cudaFreeAsync(void *pointer, cudaStream_t stream)
+{
+    pthread_mutex_lock(&lock);
+    note("cudaFreeAsync(%lu)", (unsigned long)(uintptr_t)stream);
+    int code = injected("cudaFreeAsync");
+    if (code == 0)
+        code = use_legacy(stream, "cudaFreeAsync on the legacy stream");
+    op release = {.kind = OP_FREE, .destination = pointer};
+    if (code == 0 && late && capture_index(stream) < 0)
+        code = enqueue(stream, release);
+    else if (code == 0)
+        release_memory(pointer);
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+/* 0 when the stream has run past the event's latest record (or it was never recorded), else
+ * cudaErrorNotReady (600). Only looks: nothing runs. Not logged (counted in double_calls). */
+API cudaError_t cudaEventQuery(cudaEvent_t event)
+{
+    pthread_mutex_lock(&lock);
+    calls++;
+    int id = event_id(event), code = injected("cudaEventQuery");
+    if (code == 0)
+        code = unsafe_call("cudaEventQuery"); /* prohibited during a capture the thread's mode forbids */
+    if (code == 0 && (id <= 0 || id >= MAX_EVENTS || event_device[id] == 0))
+        code = INVALID_RESOURCE_HANDLE;
+    else if (code == 0 && event_reached[id] < event_recorded[id])
+        code = 600;
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+/* Waits for the event: its stream (and what it waits on) runs up to the record. */
+API cudaError_t cudaEventSynchronize(cudaEvent_t event)
+{
+    pthread_mutex_lock(&lock);
+    int id = event_id(event);
+    note("cudaEventSynchronize(ev%d)", id);
+    int code = injected("cudaEventSynchronize");
+    if (code == 0 && (id <= 0 || id >= MAX_EVENTS || event_device[id] == 0))
+        code = last_error = INVALID_RESOURCE_HANDLE;
+    if (code == 0) {
+        sync_calls++;
+        run_until(id, event_recorded[id]);
+    }
+    pthread_mutex_unlock(&lock);
+    return code;
+}
+
+/* A host function queued on stream: the tests' "kernel" (it reads device memory, which is host memory here). */
+API cudaError_t cudaLaunchHostFunc(cudaStream_t stream, void (*function)(void *), void *argument)
+{
+    pthread_mutex_lock(&lock);
+    note("cudaLaunchHostFunc(%lu)", (unsigned long)(uintptr_t)stream);
+    int code = copy_allowed("cudaLaunchHostFunc", stream);
+    op host = {.kind = OP_HOST, .function = function, .argument = argument};
+    int run_now = code == 0 && !(late && capture_index(stream) < 0);
+    if (code == 0 && !run_now)
+        code = enqueue(stream, host);
+    pthread_mutex_unlock(&lock);
+    if (run_now)
+        function(argument);
+    return code;
 }
 
 /* ---- controls for the tests -------------------------------------------------------------------- */
@@ -1021,10 +1290,63 @@ API void double_reset(void)
     thread_capture_mode = MODE_GLOBAL;
     max_pitch = DEFAULT_MAX_PITCH;
     log_context = 0;
+    for (int q = 0; q < queue_count; q++) {
+        while (queues[q].head != NULL) {
+            op *o = queues[q].head;
+            queues[q].head = o->next;
+            free(o);
+        }
+        queues[q].tail = NULL;
+    }
+    for (int id = 0; id < MAX_EVENTS; id++)
+        event_reached[id] = event_recorded[id]; /* what was queued never runs: its events are done */
+    late = sync_calls = 0;
     log_length = 0;
     log_text[0] = '\0';
     pthread_mutex_unlock(&lock);
 }
+
+/* Late mode on (1) or off (0); turning it off runs what is queued. */
+API void double_set_late(int on)
+{
+    pthread_mutex_lock(&lock);
+    if (!on)
+        run_all();
+    late = on;
+    pthread_mutex_unlock(&lock);
+}
+
+/* Runs stream's queue to its end (a test's "the device got to it now"); returns how many operations ran. */
+API int double_run_stream(uintptr_t handle)
+{
+    pthread_mutex_lock(&lock);
+    int ran = 0, q = queue_of(handle);
+    while (run_one(q))
+        ran++;
+    pthread_mutex_unlock(&lock);
+    return ran;
+}
+
+API void double_run_all(void)
+{
+    pthread_mutex_lock(&lock);
+    run_all();
+    pthread_mutex_unlock(&lock);
+}
+
+/* Operations queued on stream and not run yet. */
+API int double_queued(uintptr_t handle)
+{
+    pthread_mutex_lock(&lock);
+    int count = 0;
+    for (op *o = queues[queue_of(handle)].head; o != NULL; o = o->next)
+        count++;
+    pthread_mutex_unlock(&lock);
+    return count;
+}
+
+API int double_sync_calls(void) { return sync_calls; }
+API unsigned long double_calls(void) { return calls; }
 
 API void double_clear_log(void)
 {

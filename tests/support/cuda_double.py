@@ -156,3 +156,48 @@ class CudaDouble:
     def violations(self):
         """How many calls would have broken (invalidated) a capture."""
         return self.lib.double_violations()
+
+    # ---- the late-running device ----
+
+    HOST_FUNCTION = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+    @property
+    def late(self):
+        raise AttributeError("late is write-only")
+
+    @late.setter
+    def late(self, on):
+        """Late mode: each stream is a queue that runs only when forced (a synchronizing call, run_stream,
+        run_all); cudaEventQuery only looks; freed device memory is poisoned (0xDD) and handed out again."""
+        self.lib.double_set_late(int(on))
+
+    def run_stream(self, stream):
+        """Runs everything queued on stream (and what it waits on); returns how many operations ran."""
+        return self.lib.double_run_stream(ctypes.c_size_t(stream))
+
+    def run_all(self):
+        self.lib.double_run_all()
+
+    def queued(self, stream):
+        return self.lib.double_queued(ctypes.c_size_t(stream))
+
+    @property
+    def sync_calls(self):
+        """Calls that waited for the device: stream, device and event synchronizations, cudaFree(Host)."""
+        return self.lib.double_sync_calls()
+
+    @property
+    def calls(self):
+        """Every runtime and driver call made so far (logged ones and event queries)."""
+        self.lib.double_calls.restype = ctypes.c_ulong
+        return self.lib.double_calls()
+
+    def launch_kernel(self, stream, function):
+        """Queues function() on stream with cudaLaunchHostFunc, as a kernel would be: it runs when the stream
+        gets to it. The callback is kept alive on the returned object."""
+        callback = self.HOST_FUNCTION(lambda _argument: function())
+        self._kernels = getattr(self, "_kernels", [])
+        self._kernels.append(callback)
+        self.lib.cudaLaunchHostFunc.argtypes = [ctypes.c_void_p, self.HOST_FUNCTION, ctypes.c_void_p]
+        assert self.lib.cudaLaunchHostFunc(ctypes.c_void_p(stream), callback, None) == 0
+        return callback

@@ -1,0 +1,379 @@
+/* Releases ordered after a consumer's stream: a tensor dropped on the host may still be read by work its
+ * consumer queued, so what keeps its memory alive is released only once an event recorded on the consumer's
+ * stream at the drop has completed. Nothing here waits for the device, except past the bound on pending
+ * releases and, briefly, at exit. No Python here but the pending call and the module's two test functions. */
+#include "cdl_internal.h"
+#include "cuda_runtime_table.h"
+
+#include <stdlib.h>
+#include <time.h>
+
+/* One release waiting for its event. Made with malloc: deleters run on any thread, without the GIL. */
+typedef struct cdl_pending {
+    cudaEvent_t event;
+    unsigned long long key; /* the event's context: its id, or the device without the driver's calls */
+    cdl_release_fn release;
+    void *argument;
+    struct cdl_pending *next;
+} cdl_pending;
+
+/* The pending releases, oldest first, under cdl_pending_lock (held only around C code and runtime calls,
+ * never while a release runs: a release may take the GIL, run finalizers and convert again). */
+static cdl_lock cdl_pending_lock = CDL_LOCK_INITIALIZER;
+static cdl_pending *cdl_pending_head, *cdl_pending_tail;
+static _Atomic Py_ssize_t cdl_pending_count;
+/* Releases past the bound that waited for their event (cudaEventSynchronize), for tests and the README. */
+static _Atomic Py_ssize_t cdl_pending_waits;
+static _Atomic int cdl_pending_call_scheduled;
+/* The test-only switch (_set_ordered_release): 0 releases at once, as before ordered release existed. */
+static _Atomic int cdl_ordered_release_enabled = 1;
+
+/* Events whose release was made, kept for the next release in their context (a create per release would
+ * cost a call and an event each), under cdl_pending_lock. */
+#define CDL_SPARE_EVENTS 64
+static struct {
+    unsigned long long key;
+    cudaEvent_t event;
+} cdl_spare[CDL_SPARE_EVENTS];
+static int cdl_spare_count;
+
+/* A spare event of the context key, or a new one. Any thread. */
+static cudaError_t cdl_take_event(const cdl_cudart *rt, unsigned long long key, cudaEvent_t *event)
+{
+    int found = 0;
+    cdl_lock_acquire(&cdl_pending_lock);
+    for (int i = cdl_spare_count - 1; i >= 0 && !found; i--) {
+        if (cdl_spare[i].key == key) {
+            *event = cdl_spare[i].event;
+            cdl_spare[i] = cdl_spare[--cdl_spare_count];
+            found = 1;
+        }
+    }
+    cdl_lock_release(&cdl_pending_lock);
+    return found ? cudaSuccess : rt->event_create_with_flags(event, cudaEventDisableTiming);
+}
+
+/* Keeps event for a later release, or destroys it when enough are kept. Any thread. */
+static void cdl_give_event(const cdl_cudart *rt, unsigned long long key, cudaEvent_t event)
+{
+    int kept = 0;
+    cdl_lock_acquire(&cdl_pending_lock);
+    if (cdl_spare_count < CDL_SPARE_EVENTS) {
+        cdl_spare[cdl_spare_count].key = key;
+        cdl_spare[cdl_spare_count++].event = event;
+        kept = 1;
+    }
+    cdl_lock_release(&cdl_pending_lock);
+    if (!kept && rt->event_destroy(event) != cudaSuccess)
+        (void)rt->get_last_error();
+}
+
+/* How long interpreter exit waits, at most, for pending releases' events. */
+#define CDL_EXIT_WAIT_NS 2000000000LL
+
+/* The thread state attached to the calling thread, or NULL: a thread that holds the GIL detaches around a
+ * wait for the device, so a host function that needs the GIL cannot deadlock against it. */
+PyThreadState *cdl_attached_thread_state(void)
+{
+    /* While the interpreter finalizes, a thread that let go of the GIL may not get it back (it would be
+     * stopped): it waits holding it. */
+    if (!Py_IsInitialized() || cdl_interpreter_finalizing())
+        return NULL;
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyThreadState_GetUnchecked();
+#else
+    return _PyThreadState_UncheckedGet();
+#endif
+}
+
+void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl_array *arr)
+{
+    const DLDevice device = arr->device;
+    point->stream = 0;
+    point->device = arr->home_device;
+    point->thread = 0;
+    if (consumer == 0 || consumer == CDL_STREAM_NO_SYNC || !cdl_device_accessible(device.device_type) ||
+        !cdl_ordered_release_enabled)
+        return;
+    /* No elements: nothing a kernel could read (and the device of its NULL pointer is only a guess). */
+    for (int32_t i = 0; i < arr->ndim; i++)
+        if (arr->shape[i] == 0)
+            return;
+    const cdl_cudart *rt = cdl_cudart_loaded();
+    if (rt == NULL || rt->event_query == NULL)
+        return;
+    /* The legacy and per-thread handles name a stream of a device: the data's, or for pinned and managed
+     * memory (any device may use it) the caller's, as stream ordering takes them. */
+    if (consumer <= CDL_STREAM_PER_THREAD && device.device_type != kDLCUDA) {
+        int current;
+        if (rt->get_device(&current) != cudaSuccess) {
+            (void)rt->get_last_error();
+            return;
+        }
+        point->device = current;
+    }
+    point->stream = consumer;
+    point->thread = consumer == CDL_STREAM_PER_THREAD ? cdl_thread_serial() : 0;
+}
+
+/* Records a new event on point's stream, in the stream's context. 1 with *event recorded and not yet complete;
+ * 0 when the stream has run all its work already, or nothing can be recorded without harm (the stream captures a graph: its event would be a node of the graph, not a point
+ * in time; or the runtime refused), the caller then releasing at once. Any thread, no GIL needed. */
+static int cdl_record_release(const cdl_cudart *rt, const cdl_release_point *point, cdl_pending *entry)
+{
+    int64_t stream = point->stream;
+    /* Another thread's per-thread default stream cannot be named from here. The legacy stream's work comes
+     * after all earlier work of every blocking stream, per-thread default streams included. */
+    if (stream == CDL_STREAM_PER_THREAD && point->thread != cdl_thread_serial())
+        stream = CDL_STREAM_LEGACY;
+    cdl_device_scope scope;
+    int entered;
+    if (stream > CDL_STREAM_PER_THREAD && rt->cu_stream_get_ctx != NULL) {
+        void *context;
+        if (rt->cu_stream_get_ctx((void *)(uintptr_t)stream, &context) != 0)
+            return 0;
+        entered = cdl_context_enter(rt, context, &scope);
+    }
+    else {
+        entered = cdl_device_enter(rt, point->device, &scope);
+    }
+    if (entered != 0)
+        return 0;
+    int recorded = 0;
+    entry->key = (unsigned long long)point->device;
+    if (scope.context != NULL && rt->cu_ctx_get_id != NULL && rt->cu_ctx_get_id(scope.context, &entry->key) != 0)
+        entry->key = (unsigned long long)point->device;
+    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    unsigned long long capture_id;
+    cudaError_t code = cdl_stream_capture_info(rt, (cudaStream_t)(uintptr_t)stream, &capture, &capture_id);
+    if (code == cudaSuccess && capture == cudaStreamCaptureStatusNone) {
+        code = cdl_take_event(rt, entry->key, &entry->event);
+        if (code == cudaSuccess) {
+            code = rt->event_record(entry->event, (cudaStream_t)(uintptr_t)stream);
+            if (code == cudaErrorInvalidResourceHandle || code == cudaErrorContextIsDestroyed) {
+                /* A spare event of a context that was reset under the same key: a new one, once. */
+                (void)rt->get_last_error();
+                (void)rt->event_destroy(entry->event);
+                code = rt->event_create_with_flags(&entry->event, cudaEventDisableTiming);
+                if (code == cudaSuccess)
+                    code = rt->event_record(entry->event, (cudaStream_t)(uintptr_t)stream);
+            }
+            /* A stream with nothing left to run: its event has completed already, and nothing waits. The query
+             * is made in relaxed mode, as cdl_release_completed's are. */
+            cudaError_t done = cudaErrorNotReady;
+            if (code == cudaSuccess) {
+                cdl_capture_mode_scope relaxed;
+                cdl_capture_mode_relax(rt, &relaxed);
+                done = rt->event_query(entry->event);
+                cdl_capture_mode_leave(rt, &relaxed);
+                if (done != cudaSuccess && done != cudaErrorNotReady)
+                    (void)rt->get_last_error();
+            }
+            if (code != cudaSuccess)
+                (void)rt->event_destroy(entry->event);
+            else if (done == cudaSuccess)
+                cdl_give_event(rt, entry->key, entry->event);
+            recorded = code == cudaSuccess && done != cudaSuccess;
+        }
+    }
+    if (code != cudaSuccess)
+        (void)rt->get_last_error(); /* ours (the legacy stream's query while a capture runs, a dead stream) */
+    (void)cdl_device_leave(rt, &scope);
+    return recorded;
+}
+
+/* Waits for entry's event, the calling thread detached from the interpreter while it waits. */
+static void cdl_wait_for(const cdl_cudart *rt, cdl_pending *entry)
+{
+    PyThreadState *attached = cdl_attached_thread_state();
+    if (attached != NULL)
+        attached = PyEval_SaveThread();
+    if (rt->event_synchronize(entry->event) != cudaSuccess)
+        (void)rt->get_last_error();
+    if (attached != NULL)
+        PyEval_RestoreThread(attached);
+}
+
+static void cdl_finish(const cdl_cudart *rt, cdl_pending *entry)
+{
+    cdl_give_event(rt, entry->key, entry->event);
+    entry->release(entry->argument);
+    free(entry);
+}
+
+/* Run by the interpreter soon after a release was queued (Py_AddPendingCall), in the main thread. */
+static int cdl_pending_call(void *unused)
+{
+    (void)unused;
+    cdl_pending_call_scheduled = 0;
+    cdl_release_completed();
+    return 0;
+}
+
+void cdl_release_after(const cdl_release_point *point, cdl_release_fn release, void *argument)
+{
+    cdl_release_completed();
+    const cdl_cudart *rt = cdl_cudart_loaded();
+    cdl_pending *entry = NULL;
+    if (point->stream == 0 || !cdl_ordered_release_enabled || rt == NULL || rt->event_query == NULL ||
+        (entry = malloc(sizeof(cdl_pending))) == NULL || !cdl_record_release(rt, point, entry)) {
+        free(entry);
+        release(argument);
+        return;
+    }
+    entry->release = release;
+    entry->argument = argument;
+    entry->next = NULL;
+    cdl_pending *oldest = NULL;
+    cdl_lock_acquire(&cdl_pending_lock);
+    if (cdl_pending_tail != NULL)
+        cdl_pending_tail->next = entry;
+    else
+        cdl_pending_head = entry;
+    cdl_pending_tail = entry;
+    /* Past the bound the oldest release waits for its event: memory held back stays bounded. */
+    if (++cdl_pending_count > CDL_PENDING_LIMIT) {
+        oldest = cdl_pending_head;
+        cdl_pending_head = oldest->next;
+        cdl_pending_count--;
+    }
+    cdl_lock_release(&cdl_pending_lock);
+    if (oldest != NULL) {
+        cdl_pending_waits++;
+        cdl_wait_for(rt, oldest);
+        cdl_finish(rt, oldest);
+    }
+    /* Py_AddPendingCall needs neither the GIL nor a thread state; only a live interpreter. */
+    if (!cdl_pending_call_scheduled && Py_IsInitialized() && !cdl_interpreter_finalizing()) {
+        cdl_pending_call_scheduled = 1;
+        if (Py_AddPendingCall(cdl_pending_call, NULL) < 0)
+            cdl_pending_call_scheduled = 0;
+    }
+}
+
+void cdl_release_completed(void)
+{
+    if (cdl_pending_count == 0)
+        return;
+    const cdl_cudart *rt = cdl_cudart_loaded();
+    if (rt == NULL)
+        return;
+    /* Querying an event is prohibited while another thread captures in global mode (PyTorch's default):
+     * asked in relaxed mode, it breaks no capture. */
+    cdl_capture_mode_scope relaxed;
+    cdl_capture_mode_relax(rt, &relaxed);
+    cdl_pending *done = NULL, **done_tail = &done;
+    cdl_lock_acquire(&cdl_pending_lock);
+    /* Oldest first, up to the first not yet complete: a release costs one query, not one per pending. */
+    while (cdl_pending_head != NULL) {
+        cudaError_t code = rt->event_query(cdl_pending_head->event);
+        if (code == cudaErrorNotReady)
+            break;
+        if (code != cudaSuccess)
+            (void)rt->get_last_error(); /* the event's context is gone, and nothing of its work still runs */
+        cdl_pending *entry = cdl_pending_head;
+        cdl_pending_head = entry->next;
+        entry->next = NULL;
+        *done_tail = entry;
+        done_tail = &entry->next;
+        cdl_pending_count--;
+    }
+    if (cdl_pending_head == NULL)
+        cdl_pending_tail = NULL;
+    cdl_lock_release(&cdl_pending_lock);
+    cdl_capture_mode_leave(rt, &relaxed);
+    while (done != NULL) {
+        cdl_pending *next = done->next;
+        cdl_finish(rt, done);
+        done = next;
+    }
+}
+
+/* Two references released together, with the GIL taken (any thread); left to a finalizing interpreter. */
+typedef struct {
+    PyObject *a, *b;
+} cdl_object_pair;
+
+static void cdl_release_pair(void *argument)
+{
+    cdl_object_pair *pair = argument;
+    if (Py_IsInitialized() && !cdl_interpreter_finalizing()) {
+        PyGILState_STATE state = PyGILState_Ensure();
+        Py_XDECREF(pair->a);
+        Py_XDECREF(pair->b);
+        PyGILState_Release(state);
+    }
+    free(pair);
+}
+
+void cdl_release_objects_after(const cdl_release_point *point, PyObject *a, PyObject *b)
+{
+    if (point->stream == 0 || (a == NULL && b == NULL))
+        return;
+    cdl_object_pair *pair = malloc(sizeof(cdl_object_pair));
+    if (pair == NULL)
+        return; /* nothing held: the source lives as long as its producer keeps it, as before */
+    pair->a = Py_XNewRef(a);
+    pair->b = Py_XNewRef(b);
+    cdl_release_after(point, cdl_release_pair, pair);
+}
+
+/* ---- the module's side: exit, and the tests' two functions ------------------------------------- */
+
+static long long cdl_now_ns(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
+}
+
+/* At interpreter exit (atexit, while objects still live): pending releases are waited for, at most
+ * CDL_EXIT_WAIT_NS in all, polling without the GIL; what is still pending then is never released (its memory
+ * may still be read; the process is ending and the context goes with it). */
+static PyObject *cdl_release_pending_at_exit(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    const long long deadline = cdl_now_ns() + CDL_EXIT_WAIT_NS;
+    cdl_release_completed();
+    while (cdl_pending_count > 0 && cdl_now_ns() < deadline) {
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec pause = {0, 1000000};
+        nanosleep(&pause, NULL);
+        Py_END_ALLOW_THREADS
+        cdl_release_completed();
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef cdl_exit_method = {"_release_pending_at_exit", cdl_release_pending_at_exit, METH_NOARGS, NULL};
+
+int cdl_ordered_release_init(PyObject *module)
+{
+    PyObject *function = PyCFunction_NewEx(&cdl_exit_method, NULL, PyModule_GetNameObject(module));
+    PyObject *atexit = function ? PyImport_ImportModule("atexit") : NULL;
+    PyObject *done = atexit ? PyObject_CallMethod(atexit, "register", "O", function) : NULL;
+    Py_XDECREF(done);
+    Py_XDECREF(atexit);
+    Py_XDECREF(function);
+    return done ? 0 : -1;
+}
+
+PyObject *cdl_pending_releases(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    cdl_release_completed();
+    return Py_BuildValue("{s:n, s:i, s:n, s:O}", "pending", (Py_ssize_t)cdl_pending_count, "limit",
+                         CDL_PENDING_LIMIT, "waited", (Py_ssize_t)cdl_pending_waits, "enabled",
+                         cdl_ordered_release_enabled ? Py_True : Py_False);
+}
+
+PyObject *cdl_set_ordered_release(PyObject *module, PyObject *enabled)
+{
+    if (!PyBool_Check(enabled)) {
+        PyErr_Format(PyExc_TypeError, "_set_ordered_release(enabled) takes a bool, not %.200s",
+                     Py_TYPE(enabled)->tp_name);
+        return NULL;
+    }
+    cdl_ordered_release_enabled = enabled == Py_True;
+    return cdl_pending_releases(module, NULL);
+}

@@ -1,0 +1,355 @@
+"""Memory stays alive until the device is done with it: a consumer's tensor, dropped on the host while work it
+queued on its stream has not run, keeps the producer's memory until that work has run; a device copy keeps its
+source until the copy ran. Proven on the runtime double's late mode (streams run only when forced), by the values
+a queued "kernel" (a host function on the consumer's stream) reads after the producer's pool reused the block."""
+import ctypes
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+from cai_dlpack import DLPackShim, _core, cai2dlpack, dlpack2cai
+from support import doors
+from support.cai_objects import CaiArray, register
+from support.cuda_double import DEVICE, GLOBAL
+from support.dlpack_ctypes import DLManagedTensorVersioned, _api
+
+S1, S2 = 0x5000, 0x6000  # the producer's stream, the consumer's
+N = 8
+ORIGINAL = np.arange(N, dtype=np.float32)
+NEXT = np.full(N, -1.0, dtype=np.float32)  # what the producer's next allocation writes
+
+
+@pytest.fixture
+def late(cudart):
+    cudart.add_stream(S1, 0)
+    cudart.add_stream(S2, 0)
+    cudart.late = True
+    yield cudart
+    _core._set_ordered_release(True)
+    drain(cudart)
+    cudart.late = False
+
+
+def drain(cudart):
+    """Runs every stream until no release is pending (a release may record an event that needs a run itself)."""
+    for _ in range(10):
+        cudart.run_all()
+        if _core._pending_releases()["pending"] == 0:
+            return
+    raise AssertionError(f"releases still pending: {_core._pending_releases()}")
+
+
+class Pool:
+    """A producer's caching allocator: a freed block is poisoned and handed to the next allocation of its size."""
+
+    def __init__(self, cudart):
+        self.cudart = cudart
+        self.free = []
+
+    def take(self, values):
+        if self.free:
+            block = self.free.pop()
+        else:
+            block = np.empty(N, dtype=np.float32)
+            register(self.cudart, block, DEVICE)
+        block[:] = values
+        array = CaiArray(block, stream=S1)
+        weakref.finalize(array, self._give_back, block)
+        return array
+
+    def _give_back(self, block):
+        block.view(np.uint8)[:] = 0xDD
+        self.free.append(block)
+
+
+def read(address):
+    return np.frombuffer((ctypes.c_float * N).from_address(address), dtype=np.float32).copy()
+
+
+class Taken:
+    """A tensor taken as a framework takes it (the capsule renamed used_*): ours to delete, once."""
+
+    def __init__(self, capsule):
+        self.address = _api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+        _api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        assert _api.PyCapsule_SetName(capsule, b"used_dltensor_versioned") == 0
+        self.managed = DLManagedTensorVersioned.from_address(self.address)
+        self.data = self.managed.dl_tensor.data
+        self.deleter = ctypes.cast(self.managed.deleter, ctypes.c_void_p).value
+
+    def drop(self):
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self.deleter)(self.address)
+
+
+def consume(capsule):
+    """(data, the deleter's call) of a tensor taken from capsule."""
+    taken = Taken(capsule)
+    return taken.data, taken.drop
+
+
+def through_shim(x):
+    return consume(DLPackShim(x).__dlpack__(stream=S2, max_version=(1, 0))) + (S2,)
+
+
+def through_cai2dlpack(x):
+    return consume(cai2dlpack(x, stream=S2, max_version=(1, 0))) + (S2,)
+
+
+def through_view(x):
+    holder = [dlpack2cai(DLPackShim(x), stream=S2)]
+    return holder[0].__cuda_array_interface__["data"][0], holder.clear, S2
+
+
+def through_c_api(x):
+    owned = doors.to_managed_tensor(x, S2)
+    return owned.tensor.data, owned.delete, S2
+
+
+def through_exchange_api(x):
+    owned = doors.managed_from_object(DLPackShim(x))  # the consumer works on the reported stream: the legacy one
+    return owned.tensor.data, owned.delete, 1
+
+
+DOORS = {"DLPackShim": through_shim, "cai2dlpack": through_cai2dlpack, "DLPackView": through_view,
+         "C API": through_c_api, "exchange API": through_exchange_api}
+
+
+def kernel_after_drop(cudart, door):
+    """The issue's example: a kernel queued on the consumer's stream, the tensor and the producer's array dropped,
+    the producer's pool asked for a block of the same size; then the device runs the kernel. Returns what the kernel
+    read, a weakref to the producer's array, and how many host waits the conversion and the drop made."""
+    pool = Pool(cudart)
+    x = pool.take(ORIGINAL)
+    watch = weakref.ref(x)
+    waits = cudart.sync_calls
+    data, drop, stream = DOORS[door](x)
+    seen = []
+    cudart.launch_kernel(stream, lambda: seen.append(read(data)))
+    drop()
+    del x
+    gc.collect()
+    later = pool.take(NEXT)  # the producer's next allocation
+    waits = cudart.sync_calls - waits
+    cudart.run_stream(stream)
+    del later
+    return seen[0], watch, waits
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_kernel_queued_before_the_drop_reads_the_producers_bytes(late, door):
+    seen, watch, waits = kernel_after_drop(late, door)
+    np.testing.assert_array_equal(seen, ORIGINAL)
+    assert waits == 0  # no host wait on the conversion or the deleter
+    drain(late)
+    assert watch() is None and _core._pending_releases()["pending"] == 0
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_without_ordered_release_the_kernel_reads_reused_memory(late, door):
+    """The test-only switch off (releases at once, as before): the same scenario reads the next allocation's bytes,
+    so the test above can fail."""
+    _core._set_ordered_release(False)
+    seen, watch, waits = kernel_after_drop(late, door)
+    np.testing.assert_array_equal(seen, NEXT)
+
+
+def test_release_waits_for_the_consumers_stream_only(late):
+    """Pending until the consumer's stream runs past the drop; another stream's run releases nothing."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    watch = weakref.ref(x)
+    data, drop, stream = through_shim(x)
+    late.launch_kernel(S2, lambda: None)
+    drop()
+    del x
+    gc.collect()
+    assert watch() is not None and _core._pending_releases()["pending"] == 1
+    late.run_stream(S1)
+    assert watch() is not None and _core._pending_releases()["pending"] == 1
+    late.run_stream(S2)
+    assert _core._pending_releases()["pending"] == 0 and watch() is None
+
+
+def test_deleters_from_foreign_threads_release_every_owner_once(late):
+    """Deleters run on threads that never held the GIL, many at once: each owner is released exactly once, after
+    its stream ran, and the pending count comes back to zero."""
+    pool = Pool(late)
+    arrays = [pool.take(ORIGINAL) for _ in range(16)]
+    released = []
+    for index, x in enumerate(arrays):
+        weakref.finalize(x, released.append, index)
+    tensors = [Taken(DLPackShim(x).__dlpack__(stream=S2, max_version=(1, 0))) for x in arrays]
+    del arrays, x
+    late.lib.double_call_in_thread.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    for taken in tensors:
+        assert late.lib.double_call_in_thread(taken.deleter, taken.address) == 0
+    gc.collect()
+    assert released == [] and _core._pending_releases()["pending"] == 16
+    drain(late)
+    assert sorted(released) == list(range(16)) and _core._pending_releases()["pending"] == 0
+
+
+def test_concurrent_conversions_and_drops_release_each_owner_once(late):
+    """Threads convert and drop at once (free-threaded builds run them in parallel): nothing lost, nothing twice."""
+    released = []
+    host = np.zeros(100 * N, dtype=np.float32)
+    register(late, host, DEVICE)
+
+    def work(first):
+        for i in range(first, first + 25):
+            x = CaiArray(host[i * N:(i + 1) * N], stream=S1)
+            weakref.finalize(x, released.append, i)
+            data, drop, stream = through_cai2dlpack(x)
+            drop()
+
+    threads = [threading.Thread(target=work, args=(first,)) for first in range(0, 100, 25)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    drain(late)
+    gc.collect()
+    assert sorted(released) == list(range(100)) and _core._pending_releases()["pending"] == 0
+
+
+def test_past_the_bound_the_oldest_release_waits_for_its_stream(late):
+    """At most CDL_PENDING_LIMIT releases wait; one more makes the oldest wait for its event (one host wait)."""
+    limit = _core._pending_releases()["limit"]
+    host = np.zeros(limit + 1, dtype=np.float32)
+    register(late, host, DEVICE)
+    waited = _core._pending_releases()["waited"]
+    waits = late.sync_calls
+    for i in range(limit):
+        consume(cai2dlpack(CaiArray(host[i:i + 1]), stream=S2, max_version=(1, 0)))[1]()
+    assert _core._pending_releases()["pending"] == limit and late.sync_calls == waits
+    consume(cai2dlpack(CaiArray(host[limit:]), stream=S2, max_version=(1, 0)))[1]()
+    info = _core._pending_releases()
+    assert info["waited"] == waited + 1 and late.sync_calls == waits + 1
+    assert info["pending"] < limit + 1
+
+
+def test_a_captured_conversion_is_released_at_once_and_leaves_the_capture_whole(late):
+    """An event recorded in a capture is a node of the graph, not a point in time: a tensor whose consumer stream
+    captures is released at once (the README: its memory must outlive the graph), and the capture stays valid."""
+    capture = late.begin_capture(S2, 0, GLOBAL)
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    watch = weakref.ref(x)
+    data, drop, stream = through_shim(x)
+    drop()
+    del x
+    gc.collect()
+    assert watch() is None and _core._pending_releases()["pending"] == 0
+    assert late.end_capture(capture) and late.violations == 0
+
+
+def test_collecting_releases_leaves_another_threads_global_capture_whole(late):
+    """Event queries are prohibited while another thread captures in global mode (PyTorch's default): the
+    pending releases are queried in relaxed mode."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    data, drop, stream = through_shim(x)
+    drop()
+    del x
+    capture = late.begin_capture(0x7777, 0, GLOBAL, other_thread=True)
+    late.run_stream(S2)
+    assert _core._pending_releases()["pending"] == 0
+    assert late.end_capture(capture) and late.violations == 0
+
+
+# ---- device copies ------------------------------------------------------------------------------------------
+
+def test_device_copy_keeps_its_source_until_the_copy_ran(late):
+    """copy=True queues the copy on the consumer's stream: the source stays alive until it ran (the producer's pool
+    cannot hand the block out), and the producer's stream waits for the copy."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    watch = weakref.ref(x)
+    late.clear_log()
+    capsule = DLPackShim(x).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
+    copy, drop = consume(capsule)
+    del x
+    gc.collect()
+    assert watch() is not None
+    later = pool.take(NEXT)
+    late.run_stream(S2)
+    np.testing.assert_array_equal(read(copy), ORIGINAL)
+    log = late.log()
+    last_copy = max(i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync")))
+    assert any(line.startswith(f"cudaStreamWaitEvent({S1}, ") for line in log[last_copy:])
+    drain(late)
+    assert watch() is None
+    drop()
+    del later
+
+
+def test_device_copy_memory_is_freed_in_the_consumers_stream_order(late):
+    """The copy's own memory goes back by cudaFreeAsync on the consumer's stream: no host wait, and a kernel queued
+    before the drop still reads the copy."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    copy, drop = consume(DLPackShim(x).__dlpack__(stream=S2, copy=True, max_version=(1, 0)))
+    seen = []
+    late.launch_kernel(S2, lambda: seen.append(read(copy)))
+    waits = late.sync_calls
+    late.clear_log()
+    drop()
+    assert late.sync_calls == waits
+    assert f"cudaFreeAsync({S2})" in late.log() and "cudaFree()" not in late.log()
+    late.run_stream(S2)
+    np.testing.assert_array_equal(seen[0], ORIGINAL)
+
+
+# ---- interpreter exit ---------------------------------------------------------------------------------------
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import ctypes, os, sys, weakref
+    import numpy as np
+    sys.path.insert(0, {support!r})
+    from support.cuda_double import CudaDouble, DEVICE
+    from support.cai_objects import CaiArray, register
+    import cai_dlpack
+    double = CudaDouble(os.environ["CAI_DLPACK_CUDART"])
+    double.add_stream(0x6000, 0)
+    double.late = True
+    host = np.arange(8, dtype=np.float32)
+    register(double, host, DEVICE)
+    class Owner(CaiArray):
+        def __del__(self):
+            print("released", flush=True)
+    capsule = cai_dlpack.cai2dlpack(Owner(host), stream=0x6000, max_version=(1, 0))
+    api = ctypes.pythonapi
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    address = api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+    api.PyCapsule_SetName(capsule, b"used_dltensor_versioned")   # taken by a consumer, which drops it now
+    from support.dlpack_ctypes import DLManagedTensorVersioned
+    deleter = ctypes.cast(DLManagedTensorVersioned.from_address(address).deleter, ctypes.c_void_p).value
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(deleter)(address)
+    print("pending", cai_dlpack._core._pending_releases()["pending"], flush=True)
+    if {run_later}:
+        double.lib.double_call_later.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        run_all = ctypes.cast(double.lib.double_run_all, ctypes.c_void_p).value
+        assert double.lib.double_call_later(run_all, None, 200000) == 0
+    print("exiting", flush=True)
+""")
+
+
+@pytest.mark.parametrize("run_later", [True, False])
+def test_exit_waits_a_bounded_time_for_pending_releases(run_later):
+    """At exit pending releases are waited for, at most 2 s: one whose stream runs meanwhile is released; one whose
+    stream never runs is left (its memory may still be read), and the process ends cleanly either way."""
+    support = os.path.join(os.path.dirname(__file__), os.pardir)
+    script = EXIT_SCRIPT.format(support=support, run_later=run_later)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["pending", "1", "exiting"] + (["released"] if run_later else [])
