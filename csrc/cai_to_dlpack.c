@@ -362,9 +362,26 @@ static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *ou
     }
     out->data = (void *)(uintptr_t)address;
     out->read_only = PyTuple_GET_ITEM(data, 1) == Py_True;
-    if (strides == NULL || strides == Py_None) {
-        if (cdl_contiguous_strides(ndim, out->shape, out->strides) < 0)
+    out->stream = 0;
+    if (source == CDL_SOURCE_CAI && stream != NULL && stream != Py_None) {
+        if (!cdl_compact_int(stream, &out->stream) || out->stream < 1)
             return 0;
+    }
+    if (strides == NULL || strides == Py_None) {
+        /* C-contiguous: the strides, the element count and the extent [0, count * itemsize) in one loop; the
+         * count is bounded by the stride product, so only that product can overflow (as the general reader
+         * measures it: there, the same products). */
+        int64_t stride = 1, count = 1, bytes;
+        for (int32_t i = ndim - 1; i >= 0; i--) {
+            out->strides[i] = stride;
+            if (__builtin_mul_overflow(stride, out->shape[i] > 1 ? out->shape[i] : 1, &stride))
+                return 0;
+            count *= out->shape[i];
+        }
+        if (count == 0)
+            return 1;
+        return !__builtin_mul_overflow(count, itemsize, &bytes) && out->data != NULL &&
+               cdl_extent_fits((uintptr_t)out->data, 0, bytes);
     }
     else {
         if (!PyTuple_CheckExact(strides) || PyTuple_GET_SIZE(strides) != ndim)
@@ -374,11 +391,6 @@ static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *ou
                 (!cdl_divide_exactly(number, itemsize, &out->strides[i]) && out->shape[i] > 1))
                 return 0;
         }
-    }
-    out->stream = 0;
-    if (source == CDL_SOURCE_CAI && stream != NULL && stream != Py_None) {
-        if (!cdl_compact_int(stream, &out->stream) || out->stream < 1)
-            return 0;
     }
     int64_t low, high;
     switch (cdl_measure_extent(out, itemsize, &low, &high)) {
@@ -401,7 +413,8 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
         return -1;
     }
     /* A dict only this call holds is never kept, so the kept records are not asked about it. */
-    if (requested == NULL && Py_REFCNT(iface) == 1 && PyDict_CheckExact(iface) && cdl_read_fresh_dict(iface, source, out))
+    if (requested == NULL && Py_REFCNT(iface) == 1 && PyDict_CheckExact(iface) &&
+        cdl_read_fresh_dict(iface, source, out))
         return cdl_set_device(out, source);
     if (requested == NULL && cdl_cache_find(iface, source, out))
         return cdl_set_device(out, source);

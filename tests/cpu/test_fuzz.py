@@ -226,18 +226,37 @@ EXTRA_KEYS = st.dictionaries(st.one_of(SPELLED, st.sampled_from(["descr", "offse
 
 @st.composite
 def fresh_interfaces(draw):
-    """Fuzzed dicts, among them the CuPy-shaped ones the fused path reads, in the order CuPy builds them."""
-    if draw(st.booleans()):
+    """Fuzzed dicts, and CuPy-shaped ones (in the order CuPy builds them) with each value valid, or now and then
+    one of the values next to valid that the fused path must leave to the general reader."""
+    if draw(st.integers(0, 3)) == 0:
         iface = draw(interfaces())
     else:
-        typestr = draw(st.sampled_from(["|b1", "<i2", "<f4", "<f8", "<c16", "|V2", "<V2", ">f4"]))
-        shape = tuple(draw(st.lists(st.one_of(st.integers(0, 5), st.sampled_from([-1, 2**62, True])), max_size=4)))
+        spoiled_key = draw(st.sampled_from([None, "shape", "typestr", "stream", "version", "strides", "data"]))
+
+        def value(key, valid, spoiled):
+            return draw(spoiled) if key == spoiled_key else draw(valid)
+
+        typestr = value("typestr", st.sampled_from(["|b1", "<i2", "|u1", "<f4", "<f8", "<c8", "<c16", "=f4"]),
+                        st.one_of(st.sampled_from(["|V2", "<V2", ">f4", "<f3", "f4", "<f4 ", "<b1", "|x1"]), typestrs))
+        itemsize = np.dtype(typestr).itemsize if typestr in ("|b1", "<i2", "|u1", "<f4", "<f8", "<c8", "<c16",
+                                                             "=f4") else 1
+        shape = value("shape", st.lists(st.integers(0, 5), max_size=4).map(tuple),
+                      st.one_of(st.lists(st.sampled_from([-1, 2**62, 2**31, True, Int(2), 3]), max_size=4).map(tuple),
+                                st.lists(st.integers(0, 3), max_size=3), shapes))
+        ndim = len(shape) if isinstance(shape, (tuple, list)) else 2
         iface = {"shape": shape, "typestr": typestr, "descr": [("", typestr)],
-                 "stream": draw(st.one_of(st.just(1), st.none(), st.integers(-1, 3), st.just(2**64), junk)),
-                 "version": draw(st.one_of(st.just(3), versions)),
-                 "strides": draw(st.one_of(st.none(), strides)),
-                 "data": draw(st.one_of(st.tuples(st.integers(0, 1 << 12).map(lambda o: BASE + 4096 + o),
-                                                  st.booleans()), datas))}
+                 "stream": value("stream", st.sampled_from([1, 2, None, 2**40]),
+                                 st.one_of(st.sampled_from([0, -1, True, 2**64, "1", Int(5)]), junk)),
+                 "version": value("version", st.just(3), st.sampled_from([-1, 4, True, 3.0, Int(3), 2**64, None])),
+                 "strides": value("strides", st.one_of(st.none(),
+                                                       st.lists(st.integers(-4, 4).map(lambda s: s * itemsize),
+                                                                 min_size=ndim, max_size=ndim).map(tuple)),
+                                  st.one_of(st.lists(st.sampled_from([1, 3, -3, 2**62, True, Int(8)]),
+                                                     max_size=4).map(tuple), strides)),
+                 "data": value("data", st.tuples(st.integers(0, 1 << 10).map(lambda o: BASE + 8192 + o * 8),
+                                                 st.booleans()),
+                               st.one_of(st.sampled_from([(BASE, 1), (0, False), (-1, False), (2**64 - 8, False),
+                                                          (True, False), [BASE, False]]), datas))}
     for key, value in draw(EXTRA_KEYS).items():
         iface.pop(key, None)  # so that a key spelled as another str object replaces the literal one
         iface[key] = value
@@ -254,7 +273,8 @@ def test_a_dict_only_the_call_holds_reads_as_a_dict_held_elsewhere(cudart, iface
     _core._set_interface_cache(False)
     try:
         for fresh, held in ((FreshArrayHolder, Holder), (FreshCaiHolder, CaiHolder)):
-            for convert in (lambda obj: cai2dlpack(obj, **keywords), lambda obj: DLPackShim(obj).__dlpack__(**keywords)):
+            for convert in (lambda obj: cai2dlpack(obj, **keywords),
+                            lambda obj: DLPackShim(obj).__dlpack__(**keywords)):
                 assert _capsule_outcome(convert, fresh(iface)) == _capsule_outcome(convert, held(iface))
     finally:
         _core._set_interface_cache(True)
