@@ -146,6 +146,23 @@ static PyObject *cdl_required(PyObject *const *entries, int index, cdl_source so
 }
 
 /* A tuple or list of ints (shape or strides) into values; returns its length or -1. */
+/* cdl_read_int_sequence of a tuple, or of a list inside its critical section. */
+static Py_ssize_t cdl_read_int_items(PyObject *sequence, cdl_source source, const char *key, int64_t low,
+                                     int64_t *values)
+{
+    Py_ssize_t length = PySequence_Fast_GET_SIZE(sequence);
+    if (length > CDL_MAX_NDIM) {
+        PyErr_Format(cdl_UnsupportedError, "%s '%s' has %zd entries; at most %d dimensions are supported",
+                     cdl_source_name(source), key, length, CDL_MAX_NDIM);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < length; i++) {
+        if (cdl_read_int(PySequence_Fast_GET_ITEM(sequence, i), source, key, i, low, INT64_MAX, &values[i]) < 0)
+            return -1;
+    }
+    return length;
+}
+
 static Py_ssize_t cdl_read_int_sequence(PyObject *sequence, cdl_source source, const char *key, int64_t low,
                                         int64_t *values)
 {
@@ -154,20 +171,13 @@ static Py_ssize_t cdl_read_int_sequence(PyObject *sequence, cdl_source source, c
                      Py_TYPE(sequence)->tp_name);
         return -1;
     }
+    if (PyTuple_Check(sequence))
+        return cdl_read_int_items(sequence, source, key, low, values); /* immutable: no critical section */
     Py_ssize_t length;
     /* A list another thread changes is read as it was at one moment: the length read once, the items in
      * the critical section (with the GIL, nothing here runs Python code that could change it). */
     CDL_BEGIN_CRITICAL_SECTION(sequence);
-    length = PySequence_Fast_GET_SIZE(sequence);
-    if (length > CDL_MAX_NDIM) {
-        PyErr_Format(cdl_UnsupportedError, "%s '%s' has %zd entries; at most %d dimensions are supported",
-                     cdl_source_name(source), key, length, CDL_MAX_NDIM);
-        length = -1;
-    }
-    for (Py_ssize_t i = 0; i < length; i++) {
-        if (cdl_read_int(PySequence_Fast_GET_ITEM(sequence, i), source, key, i, low, INT64_MAX, &values[i]) < 0)
-            length = -1;
-    }
+    length = cdl_read_int_items(sequence, source, key, low, values);
     CDL_END_CRITICAL_SECTION();
     return length;
 }
