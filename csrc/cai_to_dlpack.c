@@ -316,9 +316,10 @@ static int cdl_set_device(cdl_array *out, cdl_source source)
 static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *out)
 {
     PyObject *version = NULL, *shape = NULL, *typestr = NULL, *data = NULL, *strides = NULL, *stream = NULL;
-    Py_ssize_t position = 0;
+    Py_ssize_t position = 0, left = PyDict_GET_SIZE(iface);
     PyObject *key, *value;
-    while (PyDict_Next(iface, &position, &key, &value)) {
+    /* Stops at the last entry: the call that would only say so is not made. */
+    while (left-- > 0 && PyDict_Next(iface, &position, &key, &value)) {
         if (key == cdl_name.shape)
             shape = value;
         else if (key == cdl_name.typestr)
