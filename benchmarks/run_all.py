@@ -16,6 +16,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import cpu  # noqa: E402
 import gpu  # noqa: E402
+import instructions  # noqa: E402
 
 import cai_dlpack  # noqa: E402
 from cai_dlpack._benchmark import markdown  # noqa: E402
@@ -33,7 +34,11 @@ def parse_arguments(argv=None):
                        help=f"replace the committed results in {COMMITTED}")
     parser.add_argument("--quick", action="store_true",
                         help="the short CPU groups only (no extras, ndim growth, memory or GPU part)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="callgrind's instruction counts (instructions.md) instead of the timed runs")
     args = parser.parse_args(argv)
+    if args.quick and args.instructions:
+        parser.error("--quick and --instructions are two different runs; ask for one")
     if args.quick and args.update_committed:
         parser.error("--quick makes a partial run, which must not replace the committed results")
     return (COMMITTED if args.update_committed else os.path.abspath(args.out or DEFAULT_OUT)), args
@@ -107,8 +112,26 @@ def write(folder, part, report, extra_lines):
     print("\n".join(text))
 
 
+def write_instructions(folder):
+    report = instructions.run(folder)
+    text = ["# Instruction counts (callgrind)", "", f"Machine: {environment()}", "",
+            f"Each case is a statement run in loops of {report['iterations']:,} and {2 * report['iterations']:,} "
+            "iterations under callgrind, counting only the loops; per call is the difference over "
+            f"{report['iterations']:,}, less an empty loop's iteration. Counts do not depend on the machine's load, "
+            "so they compare builds; they do not say how long a call takes.", "",
+            instructions.markdown(report)]
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "instructions.md"), "w") as out:
+        out.write("\n".join(text) + "\n")
+    print("\n".join(text))
+    print(f"\nResults written to {folder}")
+
+
 def main(argv=None):
     folder, args = parse_arguments(argv)
+    if args.instructions:
+        write_instructions(folder)
+        return
     report = cpu.run(short=args.quick)
     lines = []
     if report["growth"]:

@@ -146,6 +146,23 @@ static PyObject *cdl_required(PyObject *const *entries, int index, cdl_source so
 }
 
 /* A tuple or list of ints (shape or strides) into values; returns its length or -1. */
+/* cdl_read_int_sequence of a tuple, or of a list inside its critical section. */
+static Py_ssize_t cdl_read_int_items(PyObject *sequence, cdl_source source, const char *key, int64_t low,
+                                     int64_t *values)
+{
+    Py_ssize_t length = PySequence_Fast_GET_SIZE(sequence);
+    if (length > CDL_MAX_NDIM) {
+        PyErr_Format(cdl_UnsupportedError, "%s '%s' has %zd entries; at most %d dimensions are supported",
+                     cdl_source_name(source), key, length, CDL_MAX_NDIM);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < length; i++) {
+        if (cdl_read_int(PySequence_Fast_GET_ITEM(sequence, i), source, key, i, low, INT64_MAX, &values[i]) < 0)
+            return -1;
+    }
+    return length;
+}
+
 static Py_ssize_t cdl_read_int_sequence(PyObject *sequence, cdl_source source, const char *key, int64_t low,
                                         int64_t *values)
 {
@@ -154,20 +171,13 @@ static Py_ssize_t cdl_read_int_sequence(PyObject *sequence, cdl_source source, c
                      Py_TYPE(sequence)->tp_name);
         return -1;
     }
+    if (PyTuple_Check(sequence))
+        return cdl_read_int_items(sequence, source, key, low, values); /* immutable: no critical section */
     Py_ssize_t length;
     /* A list another thread changes is read as it was at one moment: the length read once, the items in
      * the critical section (with the GIL, nothing here runs Python code that could change it). */
     CDL_BEGIN_CRITICAL_SECTION(sequence);
-    length = PySequence_Fast_GET_SIZE(sequence);
-    if (length > CDL_MAX_NDIM) {
-        PyErr_Format(cdl_UnsupportedError, "%s '%s' has %zd entries; at most %d dimensions are supported",
-                     cdl_source_name(source), key, length, CDL_MAX_NDIM);
-        length = -1;
-    }
-    for (Py_ssize_t i = 0; i < length; i++) {
-        if (cdl_read_int(PySequence_Fast_GET_ITEM(sequence, i), source, key, i, low, INT64_MAX, &values[i]) < 0)
-            length = -1;
-    }
+    length = cdl_read_int_items(sequence, source, key, low, values);
     CDL_END_CRITICAL_SECTION();
     return length;
 }
@@ -295,6 +305,115 @@ static int cdl_set_device(cdl_array *out, cdl_source source)
     return 0;
 }
 
+/* The fused reader of a dict only this call holds (a producer's property builds one on each access, as CuPy,
+ * Numba, PyTorch and RMM do), no dtype= asked: what the general reader below does for the common shapes of
+ * such a dict, in one pass, with borrowed references and no critical section (no other thread can reach the
+ * dict, and nothing here runs Python code). Whatever it does not read the common way (a key that is not one
+ * of our interned names, a list, a buffer, a bool where an int goes, an int of several digits, a typestr no
+ * typestr alone names, a mask, strides that are not whole items, any extent problem, a NULL pointer) it leaves
+ * to the general reader, which then reads the same dict afresh and raises its errors: so this path never
+ * raises, and no dict reads differently through it. Returns 1 with *out filled but for the device, else 0. */
+static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *out)
+{
+    PyObject *version = NULL, *shape = NULL, *typestr = NULL, *data = NULL, *strides = NULL, *stream = NULL;
+    Py_ssize_t position = 0, left = PyDict_GET_SIZE(iface);
+    PyObject *key, *value;
+    /* Stops at the last entry: the call that would only say so is not made. */
+    while (left-- > 0 && PyDict_Next(iface, &position, &key, &value)) {
+        if (key == cdl_name.shape)
+            shape = value;
+        else if (key == cdl_name.typestr)
+            typestr = value;
+        else if (key == cdl_name.data)
+            data = value;
+        else if (key == cdl_name.strides)
+            strides = value;
+        else if (key == cdl_name.version)
+            version = value;
+        else if (key == cdl_name.stream)
+            stream = value;
+        else if (key == cdl_name.mask) {
+            if (value != Py_None)
+                return 0;
+        }
+        else if (key != cdl_name.descr && key != cdl_name.offset)
+            return 0; /* another key, or one of ours as a str of its own: the general reader compares text */
+    }
+    int64_t number;
+    if (version == NULL || !cdl_compact_int(version, &number) || number < 0 || number > 3)
+        return 0;
+    if (shape == NULL || !PyTuple_CheckExact(shape) || PyTuple_GET_SIZE(shape) > CDL_MAX_NDIM)
+        return 0;
+    const int32_t ndim = (int32_t)PyTuple_GET_SIZE(shape);
+    for (int32_t i = 0; i < ndim; i++) {
+        if (!cdl_compact_int(PyTuple_GET_ITEM(shape, i), &out->shape[i]) || out->shape[i] < 0)
+            return 0;
+    }
+    out->ndim = ndim;
+    /* A typestr alone names the type (the descr is then not read, as below); the parser's refusals are the
+     * general reader's to raise. */
+    if (typestr == NULL || !PyUnicode_CheckExact(typestr))
+        return 0;
+    if (cdl_lookup_typestr(typestr, &out->dtype) < 0 && cdl_parse_typestr(typestr, "", &out->dtype) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const int64_t itemsize = cdl_itemsize(out->dtype);
+    if (data == NULL || !PyTuple_CheckExact(data) || PyTuple_GET_SIZE(data) != 2 ||
+        !PyLong_CheckExact(PyTuple_GET_ITEM(data, 0)) || !PyBool_Check(PyTuple_GET_ITEM(data, 1)))
+        return 0;
+#if ULONG_MAX == ULLONG_MAX
+    unsigned long long address = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(data, 0));
+#else
+    unsigned long long address = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(data, 0));
+#endif
+    if (address == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    out->data = (void *)(uintptr_t)address;
+    out->read_only = PyTuple_GET_ITEM(data, 1) == Py_True;
+    out->stream = 0;
+    if (source == CDL_SOURCE_CAI && stream != NULL && stream != Py_None) {
+        if (!cdl_compact_int(stream, &out->stream) || out->stream < 1)
+            return 0;
+    }
+    if (strides == NULL || strides == Py_None) {
+        /* C-contiguous: the strides, the element count and the extent [0, count * itemsize) in one loop; the
+         * count is bounded by the stride product, so only that product can overflow (as the general reader
+         * measures it: there, the same products). */
+        int64_t stride = 1, count = 1, bytes;
+        for (int32_t i = ndim - 1; i >= 0; i--) {
+            out->strides[i] = stride;
+            if (__builtin_mul_overflow(stride, out->shape[i] > 1 ? out->shape[i] : 1, &stride))
+                return 0;
+            count *= out->shape[i];
+        }
+        if (count == 0)
+            return 1;
+        return !__builtin_mul_overflow(count, itemsize, &bytes) && out->data != NULL &&
+               cdl_extent_fits((uintptr_t)out->data, 0, bytes);
+    }
+    else {
+        if (!PyTuple_CheckExact(strides) || PyTuple_GET_SIZE(strides) != ndim)
+            return 0;
+        for (int32_t i = 0; i < ndim; i++) {
+            if (!cdl_compact_int(PyTuple_GET_ITEM(strides, i), &number) ||
+                (!cdl_divide_exactly(number, itemsize, &out->strides[i]) && out->shape[i] > 1))
+                return 0;
+        }
+    }
+    int64_t low, high;
+    switch (cdl_measure_extent(out, itemsize, &low, &high)) {
+    case CDL_EXTENT_EMPTY:
+        return 1;
+    case CDL_EXTENT_OK:
+        return out->data != NULL && cdl_extent_fits((uintptr_t)out->data, low, high);
+    default:
+        return 0;
+    }
+}
+
 int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, const DLDataType *requested,
                              cdl_array *out, PyObject **keepalive)
 {
@@ -304,6 +423,10 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
                      Py_TYPE(iface)->tp_name);
         return -1;
     }
+    /* A dict only this call holds is never kept, so the kept records are not asked about it. */
+    if (requested == NULL && Py_REFCNT(iface) == 1 && PyDict_CheckExact(iface) &&
+        cdl_read_fresh_dict(iface, source, out))
+        return cdl_set_device(out, source);
     if (requested == NULL && cdl_cache_find(iface, source, out))
         return cdl_set_device(out, source);
     const uint64_t dict_version = cdl_cache_version(iface);
@@ -637,9 +760,29 @@ static void cdl_export_order_release(PyObject *capsule, const cdl_array *arr, in
     cdl_release_completed();
 }
 
+/* BufferError for read-only data asked for as a legacy capsule. Returns NULL. */
+static PyObject *cdl_refuse_read_only_legacy(void)
+{
+    PyErr_SetString(PyExc_BufferError,
+                    "the array is read-only, which a legacy 'dltensor' capsule cannot say; ask for "
+                    "max_version=(1, 0) or newer to get a versioned capsule with the read-only flag");
+    return NULL;
+}
+
 PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
                      PyObject *max_version, PyObject *dl_device, PyObject *copy)
 {
+    if (stream == NULL && max_version == NULL && dl_device == NULL && copy == NULL) {
+        /* No keyword: the legacy stream, a legacy capsule of the data where it is. */
+        if (arr->read_only)
+            return cdl_refuse_read_only_legacy();
+        PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, 0);
+        if (capsule != NULL && cdl_order_streams(arr, CDL_STREAM_LEGACY) < 0)
+            Py_CLEAR(capsule);
+        if (capsule != NULL)
+            cdl_export_order_release(capsule, arr, CDL_STREAM_LEGACY);
+        return capsule;
+    }
     int64_t consumer;
     int versioned;
     DLDevice target;
@@ -682,12 +825,8 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
     }
     if (other_device || copy_asked == 1)
         return cdl_export_copy(arr, target, consumer, owner, keepalive, versioned);
-    if (arr->read_only && !versioned) {
-        PyErr_SetString(PyExc_BufferError,
-                        "the array is read-only, which a legacy 'dltensor' capsule cannot say; ask for "
-                        "max_version=(1, 0) or newer to get a versioned capsule with the read-only flag");
-        return NULL;
-    }
+    if (arr->read_only && !versioned)
+        return cdl_refuse_read_only_legacy();
     PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, versioned);
     if (capsule != NULL && cdl_order_streams(arr, consumer) < 0)
         Py_CLEAR(capsule);

@@ -194,6 +194,9 @@ int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject 
 /* Returns 0 with *out filled, or -1 naming where (the interface) and the typestr: TypeError for a non-str,
  * UnsupportedArrayError for a type DLPack cannot describe. */
 int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out);
+/* The same for an exact str of three characters ('<f4', '|b1'), without an exception: 0 with *out filled, or -1
+ * where cdl_parse_typestr must decide (and say why). */
+int cdl_lookup_typestr(PyObject *typestr, DLDataType *out);
 /* The type of an interface: its typestr, or for a type no typestr names (bfloat16, float8, ...), the
  * name in its one-field descr or the name of obj's NumPy dtype (obj may be NULL); requested (NULL: none)
  * is the caller's dtype= and wins, if the typestr's item size matches. Returns 0 for a type the typestr

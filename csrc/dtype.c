@@ -192,6 +192,18 @@ int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
     return cdl_raise_no_equivalent(typestr, where);
 }
 
+int cdl_lookup_typestr(PyObject *typestr, DLDataType *out)
+{
+    /* What cdl_parse_typestr accepts of three characters, read in place: the byte order, the kind, one digit. */
+    if (!PyUnicode_IS_COMPACT_ASCII(typestr) || PyUnicode_GET_LENGTH(typestr) != 3)
+        return -1;
+    const char *text = (const char *)PyUnicode_DATA(typestr);
+    if ((text[0] != '<' && text[0] != '>' && text[0] != '|' && text[0] != '=') || text[0] == CDL_FOREIGN_BYTE_ORDER ||
+        text[2] < '0' || text[2] > '9')
+        return -1;
+    return cdl_dtype_from_kind(text[1], text[2] - '0', out);
+}
+
 /* The row whose name is the str name, or -1. */
 static int cdl_row_of_name(PyObject *name)
 {

@@ -61,6 +61,7 @@ def test_a_run_writes_to_the_folder_given(tmp_path):
 @pytest.mark.parametrize("arguments, refusal", [
     (["--out", "elsewhere", "--update-committed"], "argument --update-committed: not allowed with argument --out"),
     (["--quick", "--update-committed"], "--quick makes a partial run, which must not replace the committed results"),
+    (["--quick", "--instructions"], "--quick and --instructions are two different runs; ask for one"),
 ])
 def test_replacing_the_committed_results_is_asked_for_alone(arguments, refusal):
     digests = committed_digests()

@@ -1,6 +1,7 @@
 """Property-based fuzzing of both converters through the public API (a bounded run in CI; set
 CAI_DLPACK_FUZZ_EXAMPLES for a long run). Invariants: never a crash; valid input round-trips exactly;
 invalid input raises TypeError, ValueError or BufferError naming the interface."""
+import copy
 import ctypes
 import sys
 
@@ -187,6 +188,96 @@ def test_cai_dicts_through_the_runtime_double(cudart, iface, stream, consumer):
     view = dlpack2cai(capsule, stream=-1)
     out = view.__cuda_array_interface__
     assert out["shape"] == tuple(iface["shape"]) and view.device[0] == 2
+
+
+class FreshArrayHolder:
+    """A producer that builds its dict on each access (as CuPy, Numba, PyTorch and RMM do): a dict only the
+    converting call holds, read by the fused path for such dicts."""
+
+    def __init__(self, iface):
+        self.iface = iface
+
+    @property
+    def __array_interface__(self):
+        return copy.copy(self.iface)
+
+
+class FreshCaiHolder(FreshArrayHolder):
+    @property
+    def __cuda_array_interface__(self):
+        return copy.copy(self.iface)
+
+
+def _capsule_outcome(convert, producer):
+    """What convert(producer) gave: every field of the capsule's tensor, or the exception's type and message
+    (the producer's class named as "<producer>")."""
+    try:
+        return read_capsule(convert(producer))
+    except (TypeError, ValueError, BufferError) as error:
+        return type(error), str(error).replace(type(producer).__name__, "<producer>")
+
+
+# The keys as a producer's own code spells them (interned literals), as text of another str object, the keys
+# that are read only sometimes, and one no reader knows.
+SPELLED = st.sampled_from(["shape", "sha" + "pe".upper().lower(), "typestr", "typ" + "estr".upper().lower()])
+EXTRA_KEYS = st.dictionaries(st.one_of(SPELLED, st.sampled_from(["descr", "offset", "mask", "stream", "other"])),
+                             st.one_of(ints, junk, st.just([("", "<f4")])), max_size=3)
+
+
+@st.composite
+def fresh_interfaces(draw):
+    """Fuzzed dicts, and CuPy-shaped ones (in the order CuPy builds them) with each value valid, or now and then
+    one of the values next to valid that the fused path must leave to the general reader."""
+    if draw(st.integers(0, 3)) == 0:
+        iface = draw(interfaces())
+    else:
+        spoiled_key = draw(st.sampled_from([None, "shape", "typestr", "stream", "version", "strides", "data"]))
+
+        def value(key, valid, spoiled):
+            return draw(spoiled) if key == spoiled_key else draw(valid)
+
+        typestr = value("typestr", st.sampled_from(["|b1", "<i2", "|u1", "<f4", "<f8", "<c8", "<c16", "=f4"]),
+                        st.one_of(st.sampled_from(["|V2", "<V2", ">f4", "<f3", "f4", "<f4 ", "<b1", "|x1"]), typestrs))
+        itemsize = np.dtype(typestr).itemsize if typestr in ("|b1", "<i2", "|u1", "<f4", "<f8", "<c8", "<c16",
+                                                             "=f4") else 1
+        shape = value("shape", st.lists(st.integers(0, 5), max_size=4).map(tuple),
+                      st.one_of(st.lists(st.sampled_from([-1, 2**62, 2**31, True, Int(2), 3]), max_size=4).map(tuple),
+                                st.lists(st.integers(0, 3), max_size=3), shapes))
+        ndim = len(shape) if isinstance(shape, (tuple, list)) else 2
+        iface = {"shape": shape, "typestr": typestr, "descr": [("", typestr)],
+                 "stream": value("stream", st.sampled_from([1, 2, None, 2**40]),
+                                 st.one_of(st.sampled_from([0, -1, True, 2**64, "1", Int(5)]), junk)),
+                 "version": value("version", st.just(3), st.sampled_from([-1, 4, True, 3.0, Int(3), 2**64, None])),
+                 "strides": value("strides", st.one_of(st.none(),
+                                                       st.lists(st.integers(-4, 4).map(lambda s: s * itemsize),
+                                                                 min_size=ndim, max_size=ndim).map(tuple)),
+                                  st.one_of(st.lists(st.sampled_from([1, 3, -3, 2**62, True, Int(8)]),
+                                                     max_size=4).map(tuple), strides)),
+                 "data": value("data", st.tuples(st.integers(0, 1 << 10).map(lambda o: BASE + 8192 + o * 8),
+                                                 st.booleans()),
+                               st.one_of(st.sampled_from([(BASE, 1), (0, False), (-1, False), (2**64 - 8, False),
+                                                          (True, False), [BASE, False]]), datas))}
+    for key, value in draw(EXTRA_KEYS).items():
+        iface.pop(key, None)  # so that a key spelled as another str object replaces the literal one
+        iface[key] = value
+    return iface
+
+
+@FUZZ
+@given(fresh_interfaces(), st.sampled_from([{}, {"max_version": (1, 0)}, {"stream": -1, "max_version": (1, 3)}]))
+def test_a_dict_only_the_call_holds_reads_as_a_dict_held_elsewhere(cudart, iface, keywords):
+    """The same dict through the fused path (a fresh dict from a property) and the general reader (a ready dict,
+    kept records off): the same tensor, or the same exception with the same message, on both interfaces."""
+    cudart.reset()
+    cudart.add_region(BASE, BUFFER.nbytes, 2, 1)
+    _core._set_interface_cache(False)
+    try:
+        for fresh, held in ((FreshArrayHolder, Holder), (FreshCaiHolder, CaiHolder)):
+            for convert in (lambda obj: cai2dlpack(obj, **keywords),
+                            lambda obj: DLPackShim(obj).__dlpack__(**keywords)):
+                assert _capsule_outcome(convert, fresh(iface)) == _capsule_outcome(convert, held(iface))
+    finally:
+        _core._set_interface_cache(True)
 
 
 @FUZZ

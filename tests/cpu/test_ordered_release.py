@@ -18,7 +18,7 @@ from cai_dlpack import DLPackShim, _core, cai2dlpack, dlpack2cai
 from support import doors
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL
-from support.dlpack_ctypes import DLManagedTensorVersioned, _api
+from support.dlpack_ctypes import DLManagedTensor, DLManagedTensorVersioned, _api
 
 S1, S2 = 0x5000, 0x6000  # the producer's stream, the consumer's
 N = 8
@@ -76,11 +76,12 @@ def read(address):
 class Taken:
     """A tensor taken as a framework takes it (the capsule renamed used_*): ours to delete, once."""
 
-    def __init__(self, capsule):
-        self.address = _api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+    def __init__(self, capsule, name=b"dltensor_versioned"):
+        self.address = _api.PyCapsule_GetPointer(capsule, name)
         _api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
-        assert _api.PyCapsule_SetName(capsule, b"used_dltensor_versioned") == 0
-        self.managed = DLManagedTensorVersioned.from_address(self.address)
+        assert _api.PyCapsule_SetName(capsule, b"used_" + name) == 0
+        layout = DLManagedTensorVersioned if name == b"dltensor_versioned" else DLManagedTensor
+        self.managed = layout.from_address(self.address)
         self.data = self.managed.dl_tensor.data
         self.deleter = ctypes.cast(self.managed.deleter, ctypes.c_void_p).value
 
@@ -88,9 +89,9 @@ class Taken:
         ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self.deleter)(self.address)
 
 
-def consume(capsule):
+def consume(capsule, name=b"dltensor_versioned"):
     """(data, the deleter's call) of a tensor taken from capsule."""
-    taken = Taken(capsule)
+    taken = Taken(capsule, name)
     return taken.data, taken.drop
 
 
@@ -100,6 +101,11 @@ def through_shim(x):
 
 def through_cai2dlpack(x):
     return consume(cai2dlpack(x, stream=S2, max_version=(1, 0))) + (S2,)
+
+
+def through_cai2dlpack_without_keywords(x):
+    # the common call, cai2dlpack(obj): a legacy capsule for the legacy stream (its own no-keyword path)
+    return consume(cai2dlpack(x), b"dltensor") + (1,)
 
 
 def through_view(x):
@@ -117,7 +123,8 @@ def through_exchange_api(x):
     return owned.tensor.data, owned.delete, 1
 
 
-DOORS = {"DLPackShim": through_shim, "cai2dlpack": through_cai2dlpack, "DLPackView": through_view,
+DOORS = {"DLPackShim": through_shim, "cai2dlpack": through_cai2dlpack,
+         "cai2dlpack without keywords": through_cai2dlpack_without_keywords, "DLPackView": through_view,
          "C API": through_c_api, "exchange API": through_exchange_api}
 
 
