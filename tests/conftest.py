@@ -28,6 +28,13 @@ def pytest_sessionstart(session):
         pytest.exit(f"cai_dlpack._core at {loaded} is not built with {' and '.join(lacking)}", returncode=1)
 
 
+def pytest_addoption(parser):
+    # Here, not in tests/cpu/conftest.py: pytest reads options only from the conftest files of the folders it is
+    # started on (the README's `python3 -m pytest` starts on tests/).
+    parser.addoption("--late-double", action="store_true",
+                     help="run every CPU test with the CUDA runtime double in late mode: streams run only when forced")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """On a free-threaded CPython the GIL must still be off when the run ends: one module imported on the way
     (ours, a test extension, a test dependency) that does not declare Py_mod_gil turns it on for the whole

@@ -10,11 +10,6 @@ os.environ["CAI_DLPACK_CUDART"] = _DOUBLE_PATH
 _DOUBLE = cuda_double.CudaDouble(_DOUBLE_PATH)
 
 
-def pytest_addoption(parser):
-    parser.addoption("--late-double", action="store_true",
-                     help="run every test with the CUDA runtime double in late mode: streams run only when forced")
-
-
 @pytest.fixture
 def cudart(request):
     """The CUDA runtime double, reset: 4 devices, device 0 current, no regions, empty log (in late mode with
