@@ -295,6 +295,24 @@ def test_external_wait_uses_its_own_event_per_producer_stream(cudart, data):
     assert events_used(cudart.log()) == [shared, shared] and cudart.events_created == created
 
 
+_FRESH_PRODUCERS = itertools.count(0x7A000000, 0x100)  # stream handles no other test uses, new on each use
+
+
+def test_every_pooled_event_is_found_again(cudart, data):
+    """The pool keeps 64 events and finds each kept one again, whatever slot it fell in. 64 new external-wait
+    entries (one per producer stream) fill every slot, whatever the pool held before (another test's entries, or
+    none); the next 64 conversions of the same streams then make no event at all."""
+    producers = [next(_FRESH_PRODUCERS) for _ in range(64)]
+    capture = cudart.begin_capture(C_HANDLE, 0, GLOBAL)
+    for producer in producers:
+        cai2dlpack(CaiArray(data, stream=producer), stream=C_HANDLE)
+    created = cudart.events_created
+    for producer in producers:
+        cai2dlpack(CaiArray(data, stream=producer), stream=C_HANDLE)
+    assert cudart.events_created == created
+    assert cudart.end_capture(capture) and cudart.violations == 0
+
+
 def test_per_thread_producer_streams_of_two_threads_have_their_own_external_events(cudart, data):
     """Every thread's per-thread default stream is the value 2, but each is a different stream: a graph that waits
     on thread A's stream 2 must never see that event recorded again on thread B's, or a replay would run after B's

@@ -166,6 +166,7 @@ def paths(cudart):
         "host legacy": lambda: cai2dlpack(host_owner),
         "host versioned": lambda: cai2dlpack(host_owner, max_version=(1, 0)),
         "device with streams": lambda: cai2dlpack(device, stream=0x6000, max_version=(1, 0)),
+        "device with a stream object": lambda: cai2dlpack(device, stream=StreamObject(0x6000), max_version=(1, 0)),
         "event record refused twice": dead_handle_every_time,
         "dict with owner": lambda: cai2dlpack(device.__cuda_array_interface__, owner=host),
         "shim into numpy": lambda: np.from_dlpack(DLPackShim(host_owner)),
@@ -189,6 +190,16 @@ def paths(cudart):
         "error: used capsule": expect(BufferError, dlpack2cai, _used_capsule()),
         "error: bad tensor": bad_tensor,
     }
+
+
+class StreamObject:
+    """A stream of the CUDA stream protocol whose __cuda_stream__() makes a new (version, handle) pair each call."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
 
 
 class FreshCai:
@@ -220,7 +231,8 @@ def _used_capsule():
 
 PATH_NAMES = [
     "host legacy", "host versioned", "fresh numpy interface", "fresh CAI dict", "fresh buffer interface",
-    "error: fresh dict", "device with streams", "dict with owner", "shim into numpy", "shim into torch",
+    "error: fresh dict", "device with streams", "device with a stream object", "dict with owner", "shim into numpy",
+    "shim into torch",
     "torch into view into numpy", "view handed on", "device view interface", "error: typestr", "error: missing key",
     "numpy refuses a device tensor", "error: stream", "error: unregistered", "error: read-only legacy", "error: cuda", "error: used capsule",
     "error: bad tensor",

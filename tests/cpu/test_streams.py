@@ -272,6 +272,27 @@ def test_a_null_stream_object_is_the_legacy_stream_and_producers_get_an_int(cuda
     assert asked == [1, S2]
 
 
+def test_a_stream_objects_pair_is_released_after_each_conversion(cudart, device_array):
+    """The (version, handle) pair that __cuda_stream__() returns is released by every door that takes a stream
+    object, whether the handle is taken or refused."""
+    good, bad = tuple([0, S2]), tuple([0, -5])  # made at run time: no constant of the code object holds them
+
+    class Returning:
+        def __init__(self, pair):
+            self.pair = pair
+
+        def __cuda_stream__(self):
+            return self.pair
+
+    before = sys.getrefcount(good), sys.getrefcount(bad)
+    for _ in range(100):
+        cai2dlpack(CaiArray(device_array, stream=S1), stream=Returning(good))
+        DLPackShim(CaiArray(device_array, stream=S1)).__dlpack__(stream=Returning(good))
+        with pytest.raises(ValueError, match="whose handle is not a pointer"):
+            cai2dlpack(CaiArray(device_array, stream=S1), stream=Returning(bad))
+    assert (sys.getrefcount(good), sys.getrefcount(bad)) == before
+
+
 @pytest.mark.parametrize("stream,error,message", [
     (object(), TypeError, "stream must be None or an int, not object (nor an object with __cuda_stream__)"),
     (StreamObject("x"), TypeError, "__cuda_stream__() returned (0, 'x'), not a (version, handle) pair of ints"),
