@@ -153,6 +153,27 @@ def through(door, example, obj, consumer):
     raise AssertionError(door)
 
 
+def stream_words(stream):
+    """A stream as the refusals name it."""
+    return {LEGACY: "the legacy default stream", PER_THREAD: "the per-thread default stream"}.get(
+        stream, f"stream {stream}")
+
+
+def refusal_naming(cell):
+    """A pattern of the refusal's message for the cell: which stream (producer or consumer) is at fault, by value."""
+    producer, made, consumer, used = cell
+    p, c = re.escape(stream_words(producer)), re.escape(stream_words(consumer))
+    outcome = TABLE[made][used]
+    if outcome == IMPLICIT:  # dlpack2cai refuses its consumer's stream before it asks the producer for a tensor
+        return ("the producer stream is" if made == BLOCKED else
+                "(the consumer stream|dlpack2cai's stream \\(None\\)) is") + " the legacy default stream"
+    if outcome == INVALID:
+        return f"the capture on {p if made == INVALIDATED else c} \\(capture id \\d+\\) was already invalidated"
+    if outcome == MERGE:
+        return f"producer {p} is capturing CUDA graph capture \\d+ and consumer {c} capture \\d+"
+    return f"producer {p} is capturing a CUDA graph \\(capture id \\d+\\).* and consumer {c}, outside"
+
+
 def check_cell(cudart, cell, convert):
     producer, made, consumer, used = cell
     outcome = TABLE[made][used]
@@ -166,6 +187,7 @@ def check_cell(cudart, cell, convert):
             assert re.search(r"capture(?: id)? \d+", message)  # the capture is named
         else:
             assert "legacy default stream" in message
+        assert re.search(refusal_naming(cell), message), (refusal_naming(cell), message)
     else:
         assert convert() is not None
     log = cudart.log()
