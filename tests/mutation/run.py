@@ -16,8 +16,9 @@ with the Python package into build/mutation/pkg, which is put first on PYTHONPAT
 (guard_plugin.py) refuses to run unless the imported cai_dlpack._core is that file with the SHA-256 of the
 mutant just built, so no result is trusted from the wrong module.
 
-Tests that already fail in this set-up on the unmutated code (found by one run of the whole suite at the
-start) are deselected from every mutant's run and listed in the report.
+A kill counts only when the test that failed passes on the unmutated module (asked once per test, then
+remembered); a test that fails there too is deselected and the mutant run again. The whole-suite stage
+leaves out the tests of the build, packaging, typing stubs and benchmark scripts (SUITE_EXCLUDED).
 """
 import argparse
 import datetime
@@ -37,6 +38,7 @@ WORK = os.path.join(ROOT, "build", "mutation")
 TREE = os.path.join(WORK, "tree")
 CMAKE_DIR = os.path.join(WORK, "cmake")
 PKG = os.path.join(WORK, "pkg")
+BASELINE_PKG = os.path.join(WORK, "baseline")
 HERE = os.path.dirname(os.path.abspath(__file__))
 EQUIVALENT_FILE = os.path.join(HERE, "equivalent.txt")
 
@@ -65,6 +67,11 @@ RELATED_TESTS = {
     "stream_sync.c": ["test_streams.py", "test_graph_capture.py", "test_lifetime.py"],
     "cdl_internal.h": ["test_cai_path.py", "test_view_buffer.py", "test_copy.py", "test_buffer_path.py"],
 }
+
+# Left out of the whole-suite stage: they check the build, the packaging, typing stubs and the benchmark
+# scripts (each builds or runs tools for seconds), never a line of csrc/'s behaviour at run time.
+SUITE_EXCLUDED = ["test_typing.py", "test_packaging.py", "test_build_configuration.py",
+                  "test_hardening_commands.py", "test_benchmark_results.py", "test_benchmark_helpers.py"]
 
 OPERATORS = ("negate", "relation", "equality", "constant", "delete_call", "early_success")
 
@@ -214,8 +221,8 @@ def sites_of(path):
         for m in EQUALITY.finditer(mask):
             replace(index, m.start(1), m.end(1), "!=" if m.group(1) == "==" else "==", "equality")
         for m in INTEGER.finditer(mask):
-            if RETURN_FAILURE.search(mask) and m.group(2) == "1":
-                # `return -1;` is the error return every caller tests with `< 0`: -2 is the same, and 0 is
+            if re.search(r"\breturn\b", mask) and m.group(1) == "-" and m.group(2) == "1":
+                # -1 returned is the error return every caller tests with `< 0`: -2 is the same, and 0 is
                 # the early_success operator.
                 continue
             # Array sizes in declarations and case labels move too: both compile, and either can matter.
@@ -387,10 +394,10 @@ def sha256(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def install(module_path):
-    """Lays out build/mutation/pkg/cai_dlpack: the Python package, the headers, and the module just built.
-    Returns the installed module's path."""
-    package = os.path.join(PKG, "cai_dlpack")
+def install(module_path, where=PKG):
+    """Lays out build/mutation/pkg/cai_dlpack (or where/cai_dlpack): the Python package, the headers, and the
+    module just built. Returns the installed module's path."""
+    package = os.path.join(where, "cai_dlpack")
     if os.path.exists(package):
         shutil.rmtree(package)
     shutil.copytree(os.path.join(TREE, "python", "cai_dlpack"), package,
@@ -406,7 +413,8 @@ def install(module_path):
 
 def pytest_env(module_path):
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([PKG, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    package_root = os.path.dirname(os.path.dirname(module_path))
+    env["PYTHONPATH"] = os.pathsep.join([package_root, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["CDL_MUTANT_MODULE"] = module_path
     env["CDL_MUTANT_SHA256"] = sha256(module_path)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
@@ -436,23 +444,36 @@ def run_pytest(tests, module_path, timeout, deselect, stop_first=True, extra=())
         return "guard", output[-2000:]
     if run.returncode == 0:
         return "pass", ""
-    if run.returncode in (1, 2) or run.returncode < 0:
-        failed = [line[len("FAILED "):] for line in output.splitlines() if line.startswith("FAILED ")]
+    if run.returncode < 0 or run.returncode in (1, 2):
+        failed = [re.match(r"\S+ (.+?)(?: - .*)?$", line).group(1) for line in output.splitlines()
+                  if line.startswith(("FAILED ", "ERROR "))]
         if run.returncode < 0:
             return "fail", f"pytest died by signal {-run.returncode} (a crash)"
         return "fail", (failed[0] if failed else output.strip().splitlines()[-1] if output.strip() else "")
     return "fail", f"pytest exit status {run.returncode}: " + output[-600:]
 
 
-def failing_tests(module_path, timeout):
-    """The CPU tests that fail on the unmutated module in this set-up (deselected from every mutant)."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "guard_plugin",
-               "-o", "addopts=", "--tb=no", "-rf", "tests/cpu"]
-    run = subprocess.run(["nice"] + command, cwd=TREE, env=pytest_env(module_path), capture_output=True,
-                         text=True, timeout=timeout)
-    if run.returncode == GUARD_FAILED:
-        raise SystemExit("the guard refused the unmutated module:\n" + run.stdout[-2000:])
-    return [line.split()[1] for line in run.stdout.splitlines() if line.startswith("FAILED ")], run.stdout
+class Baseline:
+    """The unmutated module (build/mutation/baseline) and the tests known to pass or fail on it. A mutant's
+    kill counts only when the test that failed passes on the unmutated module; a test that fails there too is
+    deselected from then on (listed in the report) and the mutant is run again."""
+
+    def __init__(self, module_path, timeout):
+        self.module = module_path
+        self.timeout = timeout
+        self.verdicts = {}
+
+    def passes(self, test_id):
+        if test_id not in self.verdicts:
+            outcome, _ = run_pytest([test_id], self.module, self.timeout, [])
+            if outcome == "guard":
+                raise SystemExit("the guard refused the unmutated module")
+            self.verdicts[test_id] = outcome == "pass"
+        return self.verdicts[test_id]
+
+    @property
+    def failing(self):
+        return sorted(t for t, ok in self.verdicts.items() if not ok)
 
 
 # --- One mutant ------------------------------------------------------------------------------------------
@@ -472,7 +493,11 @@ def restore(site, original_text):
         f.write(original_text)
 
 
-def run_mutant(site, baseline_hash, args, deselect, named_equivalent):
+def is_test_id(text):
+    return text.startswith("tests/") and "::" in text
+
+
+def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
     result = site.describe()
     started = time.monotonic()
     with open(site.path) as f:
@@ -503,11 +528,19 @@ def run_mutant(site, baseline_hash, args, deselect, named_equivalent):
         result["detail"] = named_equivalent[site.stable_id]
         return result
     related = [os.path.join("tests", "cpu", t) for t in RELATED_TESTS.get(site.file, [])]
-    outcome, detail = run_pytest(related or ["tests/cpu"], installed, args.test_timeout, deselect)
-    result["stage"] = "related tests"
-    if outcome == "pass" and related:
-        outcome, detail = run_pytest(["tests/cpu"], installed, args.suite_timeout, deselect)
-        result["stage"] = "whole CPU suite"
+    suite = ["tests/cpu"] + [arg for t in SUITE_EXCLUDED for arg in ("--ignore", os.path.join("tests", "cpu", t))]
+    for stage, tests, timeout in (("related tests", related, args.test_timeout),
+                                  ("whole CPU suite", suite, args.suite_timeout)):
+        if not tests:
+            continue
+        result["stage"] = stage
+        while True:
+            outcome, detail = run_pytest(tests, installed, timeout, baseline.failing)
+            # A kill counts when the failing test passes on the unmutated module.
+            if outcome != "fail" or not is_test_id(detail) or baseline.passes(detail):
+                break
+        if outcome != "pass":
+            break
     if outcome == "guard":
         raise SystemExit("the guard refused the mutant's module:\n" + detail)
     result["status"] = {"pass": "survived", "fail": "killed", "timeout": "timeout"}[outcome]
@@ -539,8 +572,10 @@ def write_report(path, args, results, deselected, started):
         "| status | count |",
         "|---|---|",
     ] + [f"| {k} | {v} |" for k, v in counts.items()] + [""]
+    lines += ["Left out of the whole-suite stage (build, packaging, typing, benchmark scripts): "
+              + ", ".join(f"`{t}`" for t in SUITE_EXCLUDED) + ".", ""]
     if deselected:
-        lines += ["Tests deselected (they fail on the unmutated module in this set-up):", ""]
+        lines += ["Tests deselected (a mutant's failing test that fails on the unmutated module too):", ""]
         lines += [f"- `{t}`" for t in deselected] + [""]
     for title, status in (("Survivors", "survived"), ("Equivalent mutants", "equivalent"),
                           ("Hangs (counted as killed)", "timeout"), ("Did not compile", "did not compile"),
@@ -621,26 +656,24 @@ def main():
     if not ok:
         raise SystemExit("the unmutated tree does not build:\n" + output)
     baseline_hash = sha256(module)
-    installed = install(module)
-    print(f"baseline module {baseline_hash[:12]}; finding tests that fail without a mutant...", flush=True)
-    deselected, _ = failing_tests(installed, args.suite_timeout)
-    print(f"deselected: {deselected}", flush=True)
+    baseline = Baseline(install(module, BASELINE_PKG), args.test_timeout)
+    print(f"baseline module {baseline_hash[:12]}", flush=True)
     results = []
     try:
         for number, site in enumerate(sites, 1):
-            result = run_mutant(site, baseline_hash, args, deselected, named_equivalent)
+            result = run_mutant(site, baseline_hash, args, baseline, named_equivalent)
             results.append(result)
             print(f"[{number}/{len(sites)}] {result['status']:15} {result['file']}:{result['line']} "
                   f"{result['operator']}: {result['original'].strip()[:60]!r} -> "
                   f"{result['mutated'].strip()[:60]!r}  {result.get('detail', '')[:120]}", flush=True)
-            write_report(args.report, args, results, deselected, started)
+            write_report(args.report, args, results, baseline.failing, started)
     finally:
         check_tree_clean(sources)
         # Leave the installed module unmutated.
         ok, module, _ = build(args.build_timeout)
         if ok:
             install(module)
-    write_report(args.report, args, results, deselected, started)
+    write_report(args.report, args, results, baseline.failing, started)
     print(f"report: {args.report}")
 
 
