@@ -84,6 +84,33 @@ def test_dtype_names_what_the_typestr_cannot(requested):
     assert torch.from_dlpack(DLPackShim(bits, dtype=requested)).tolist() == [1.0, 2.0, -3.0]
 
 
+class _NameRaises:
+    """A dtype= object whose name cannot be read: its own error is the caller's to see."""
+
+    @property
+    def name(self):
+        raise LookupError("this dtype's name cannot be read")
+
+
+class _NameNotStr:
+    """A dtype= object whose name is not a str and whose str() fails."""
+
+    name = 7
+
+    def __str__(self):
+        raise LookupError("this dtype cannot be written")
+
+
+@pytest.mark.parametrize("requested,message", [(_NameRaises(), "name cannot be read"),
+                                               (_NameNotStr(), "cannot be written")])
+def test_a_dtype_whose_name_fails_raises_its_own_error(requested, message):
+    bits = np.zeros(3, np.uint16)
+    with pytest.raises(LookupError, match=message):
+        cai2dlpack(bits, dtype=requested)
+    with pytest.raises(LookupError, match=message):
+        DLPackShim(bits, dtype=requested)
+
+
 def test_mismatched_sizes_and_unknown_names_are_refused_by_name():
     with pytest.raises(ValueError, match=r"dtype=bfloat16 has 2-byte items but __array_interface__ 'typestr' '<f4' has 4"):
         cai2dlpack(np.zeros(3, np.float32), dtype="bfloat16")
