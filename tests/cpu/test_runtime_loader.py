@@ -52,6 +52,27 @@ def test_named_runtime_that_does_not_exist():
     assert "/nowhere/libcudart.so.99" in out
 
 
+VIEW_PROBE = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import cai_dlpack
+    from support.dlpack_ctypes import MadeTensor
+    made = MadeTensor(data=4096, device=(2, 0), shape=(3,))  # a CUDA tensor: taking it needs no runtime
+    view = cai_dlpack.dlpack2cai(made.capsule)  # its stream: the legacy default stream
+    try:
+        view.__cuda_array_interface__  # exporting the stream asks the runtime whether it captures
+    except Exception as error:
+        print("ERROR", type(error).__name__, error)
+    else:
+        print("EXPORTED")
+""").format(tests=os.path.join(os.path.dirname(__file__), os.pardir))
+
+
+def test_a_view_exporting_its_stream_raises_when_the_runtime_cannot_load():
+    out = run_probe(CAI_DLPACK_CUDART="/nowhere/libcudart.so.99", probe=VIEW_PROBE)
+    assert out.startswith("ERROR RuntimeError CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded"), out
+
+
 def test_named_library_that_is_not_a_runtime():
     import ctypes.util
 
