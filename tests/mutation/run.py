@@ -39,6 +39,16 @@ TREE = os.path.join(WORK, "tree")
 CMAKE_DIR = os.path.join(WORK, "cmake")
 PKG = os.path.join(WORK, "pkg")
 BASELINE_PKG = os.path.join(WORK, "baseline")
+
+
+def set_workdir(path):
+    """Puts the tree, the build, the packages and the lock under path (one folder per run going at once)."""
+    global WORK, TREE, CMAKE_DIR, PKG, BASELINE_PKG
+    WORK = os.path.abspath(path)
+    TREE = os.path.join(WORK, "tree")
+    CMAKE_DIR = os.path.join(WORK, "cmake")
+    PKG = os.path.join(WORK, "pkg")
+    BASELINE_PKG = os.path.join(WORK, "baseline")
 HERE = os.path.dirname(os.path.abspath(__file__))
 EQUIVALENT_FILE = os.path.join(HERE, "equivalent.txt")
 
@@ -551,7 +561,7 @@ def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
 
 # --- The report ------------------------------------------------------------------------------------------
 
-def write_report(path, args, results, deselected, started):
+def write_report(path, args, results, deselected, started, elapsed_min=None):
     counts = {s: sum(1 for r in results if r["status"] == s)
               for s in ("killed", "timeout", "survived", "equivalent", "did not compile")}
     changing = counts["killed"] + counts["timeout"] + counts["survived"]
@@ -566,7 +576,7 @@ def write_report(path, args, results, deselected, started):
         f"- command: `{command}`",
         f"- seed: {args.seed}; mutants sampled: {len(results)} of {args.count} asked",
         f"- sources: csrc at commit {git_head()} (work tree {'clean' if git_clean() else 'with changes'})",
-        f"- started {started}, took {round((time.monotonic() - args.t0) / 60, 1)} min",
+        f"- started {started}, took {elapsed_min if elapsed_min is not None else round((time.monotonic() - args.t0) / 60, 1)} min",
         f"- **score: behaviour-changing mutants killed: {score}** (a timeout, a hang, counts as killed)",
         "",
         "| status | count |",
@@ -596,7 +606,27 @@ def write_report(path, args, results, deselected, started):
         f.write("\n".join(lines))
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
         json.dump({"seed": args.seed, "count": args.count, "files": args.files, "results": results,
-                   "deselected": deselected, "score": score}, f, indent=1)
+                   "deselected": deselected, "score": score, "started": started,
+                   "elapsed_min": elapsed_min if elapsed_min is not None else
+                   round((time.monotonic() - args.t0) / 60, 1)}, f, indent=1)
+
+
+def merge(args):
+    """One report of a run made in ranges: the results by their index (a result without one is at its place
+    in its report), the deselected tests of all, the longest time."""
+    results, deselected, started, elapsed = {}, set(), [], 0.0
+    for path in args.merge:
+        with open(path) as f:
+            part = json.load(f)
+        if (part["seed"], part["count"]) != (args.seed, args.count):
+            raise SystemExit(f"{path} is of seed {part['seed']}, count {part['count']}")
+        for position, result in enumerate(part["results"]):
+            results.setdefault(result.get("index", position), result)
+        deselected.update(part["deselected"])
+        started.append(part.get("started", ""))
+        elapsed = max(elapsed, part.get("elapsed_min", 0.0))
+    ordered = [results[i] for i in sorted(results)]
+    write_report(args.report, args, ordered, sorted(deselected), min(started), elapsed)
 
 
 def git_head():
@@ -616,12 +646,21 @@ def main():
     parser.add_argument("--files", nargs="*", help="csrc files to mutate (default: csrc/*.c and cdl_internal.h)")
     parser.add_argument("--report", default=os.path.join(WORK, "report.md"))
     parser.add_argument("--list", action="store_true", help="print the sampled mutants and stop")
+    parser.add_argument("--range", default=None, help="A:B: run only the sampled mutants A..B-1 (runs side by side, "
+                        "each with its own --workdir, then --merge)")
+    parser.add_argument("--workdir", default=WORK, help="the folder of the tree, build and packages")
+    parser.add_argument("--merge", nargs="*", default=None, help="JSON reports of the ranges of one run: writes "
+                        "their combined report to --report and stops")
     parser.add_argument("--build-timeout", type=int, default=300)
     parser.add_argument("--test-timeout", type=int, default=300, help="seconds for a mutant's related tests")
     parser.add_argument("--suite-timeout", type=int, default=900, help="seconds for the whole CPU suite")
     args = parser.parse_args()
     args.t0 = time.monotonic()
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if args.merge is not None:
+        merge(args)
+        return
+    set_workdir(args.workdir)
 
     if args.files:
         files = [os.path.join(ROOT, f) if not os.path.isabs(f) else f for f in args.files]
@@ -645,6 +684,9 @@ def main():
                 raise SystemExit(f"the mutation tree's {relative} differs from the work tree's after the sync")
     tree_files = [os.path.join(TREE, os.path.relpath(f, ROOT)) for f in files]
     sites = sample_sites(tree_files, args.seed, args.count)
+    first, last = 0, len(sites)
+    if args.range:
+        first, last = (int(x) for x in args.range.split(":"))
     if args.list:
         for s in sites:
             d = s.describe()
@@ -661,7 +703,10 @@ def main():
     results = []
     try:
         for number, site in enumerate(sites, 1):
+            if not first < number <= last:
+                continue
             result = run_mutant(site, baseline_hash, args, baseline, named_equivalent)
+            result["index"] = number - 1
             results.append(result)
             print(f"[{number}/{len(sites)}] {result['status']:15} {result['file']}:{result['line']} "
                   f"{result['operator']}: {result['original'].strip()[:60]!r} -> "
