@@ -250,6 +250,17 @@ def test_exchange_allocator_puts_the_callers_context_back(cudart, example):
     assert cudart.log().count("cudaMalloc(16) -> ok") == 2 and cudart.log().count("cudaFree()") == 2
 
 
+@pytest.mark.parametrize("code,name", [(1, "cudaErrorInvalidValue"), (2, "cudaErrorMemoryAllocation")])
+def test_a_failed_device_allocation_puts_the_callers_context_back(cudart, example, code, name):
+    """cudaMalloc failing, with whatever error, on a device other than the caller's: its context is popped again."""
+    cudart.fail("cudaMalloc", code)
+    with pytest.raises(RuntimeError, match=f"cudaMalloc failed: {name}"):
+        example.exchange_allocate(DLPackView, (2, 32), (4,), (2, 3))
+    calls = [line for line in cudart.log() if line.startswith(("cuCtxPush", "cuCtxPop"))]
+    assert calls == ["cuCtxPushCurrent(ctx3)", "cuCtxPopCurrent() -> ctx0 current"], calls
+    assert cudart.context_device == 0 and cudart.current_device == 0
+
+
 def test_exchange_allocator_makes_pinned_and_managed_memory_in_the_callers_context(cudart, example):
     """Pinned and managed tensors say device 0 (DLPack), but any device may use them: no context is pushed, so none
     is made on device 0 for a caller working on device 2."""

@@ -404,10 +404,10 @@ def sha256(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def install(module_path, where=PKG):
+def install(module_path, where=None):
     """Lays out build/mutation/pkg/cai_dlpack (or where/cai_dlpack): the Python package, the headers, and the
     module just built. Returns the installed module's path."""
-    package = os.path.join(where, "cai_dlpack")
+    package = os.path.join(where or PKG, "cai_dlpack")
     if os.path.exists(package):
         shutil.rmtree(package)
     shutil.copytree(os.path.join(TREE, "python", "cai_dlpack"), package,
@@ -437,7 +437,7 @@ GUARD_FAILED = 97  # guard_plugin.py's exit status: the imported module is not t
 def run_pytest(tests, module_path, timeout, deselect, stop_first=True, extra=()):
     """(outcome, summary): outcome 'pass', 'fail', 'timeout', 'guard'."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "guard_plugin",
-               "-o", "addopts=", "--tb=line", "-rf"]
+               "-o", "addopts=", "--tb=line", "-rfE"]
     command += ["-x"] if stop_first else []
     for test in deselect:
         command += ["--deselect", test]
