@@ -99,6 +99,29 @@ def test_made_tensor_deleted_exactly_once_by_view():
     assert made.deleted == 1
 
 
+def test_an_unconsumed_capsule_calls_the_deleter_its_tensor_names(cudart):
+    """Dropped unconsumed, a capsule releases its tensor through the tensor's own deleter field (the DLPack
+    contract), even when that is no longer ours: here a wrapper that counts its calls and then calls ours."""
+    from support.dlpack_ctypes import VersionedDeleter
+
+    owner = HostOwner()
+    ref = weakref.ref(owner)
+    capsule = cai2dlpack(owner, max_version=(1, 0))
+    managed = DLManagedTensorVersioned.from_address(_api.PyCapsule_GetPointer(capsule, b"dltensor_versioned"))
+    ours = VersionedDeleter(ctypes.cast(managed.deleter, ctypes.c_void_p).value)
+    calls = []
+
+    def counting(pointer):
+        calls.append(1)
+        ours(pointer)
+
+    wrapper = VersionedDeleter(counting)
+    managed.deleter = wrapper
+    del owner, capsule
+    gc.collect()
+    assert calls == [1] and ref() is None
+
+
 def test_deleter_runs_on_a_thread_without_the_gil(cudart):
     """A framework may free the tensor from a thread of its own that never held the GIL."""
     owner = HostOwner()
