@@ -29,6 +29,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -442,14 +443,16 @@ def run_pytest(tests, module_path, timeout, deselect, stop_first=True, extra=())
     for test in deselect:
         command += ["--deselect", test]
     command += list(extra) + list(tests)
+    # A session of its own, so that a hang is ended with everything it started (mpiexec, subprocesses).
+    process = subprocess.Popen(["nice"] + command, cwd=TREE, env=pytest_env(module_path), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        run = subprocess.run(["nice"] + command, cwd=TREE, env=pytest_env(module_path), capture_output=True,
-                             text=True, timeout=timeout, start_new_session=True)
-    except subprocess.TimeoutExpired as expired:
-        text = (expired.stdout or b"")
-        text = text.decode(errors="replace") if isinstance(text, bytes) else text
-        return "timeout", text[-2000:]
-    output = run.stdout + run.stderr
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        return "timeout", (output or "")[-2000:]
+    run = subprocess.CompletedProcess(process.args, process.returncode, output, "")
     if run.returncode == GUARD_FAILED:
         return "guard", output[-2000:]
     if run.returncode == 0:
