@@ -9,7 +9,7 @@ import pytest
 import cai_dlpack
 from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai
 from support.cai_objects import CaiArray, register
-from support.cuda_double import DEVICE, MANAGED
+from support.cuda_double import DEVICE, MANAGED, PINNED_HOST
 
 S1, S2 = 0x5000, 0x6000
 STREAMS = [None, 1, 2, S1, S2, -1]
@@ -234,6 +234,20 @@ def test_zero_size_array_orders_nothing(cudart, consumer):
                    for call in cudart.log())
     assert cudart.current_device == 1
     del capsule
+
+
+def test_pinned_memory_of_no_device_is_ordered_in_device_0s_context(cudart):
+    """Pinned memory whose pointer names no device (cudaPointerGetAttributes says -2) is ordered on the legacy
+    stream of device 0's primary context, whatever device the caller is on."""
+    host = np.arange(4, dtype=np.float32)
+    register(cudart, host, PINNED_HOST, device=-2)
+    cudart.current_device = 2
+    cudart.clear_log()
+    cai2dlpack(CaiArray(host, stream=1), stream=S2)
+    log = cudart.log()
+    assert [line for line in log if line.startswith(("cuCtxPush", "cuDevicePrimaryCtxRetain"))] == [
+        "cuDevicePrimaryCtxRetain(0)", "cuCtxPushCurrent(ctx0)"], log
+    assert cudart.current_device == 2
 
 
 class StreamObject:
