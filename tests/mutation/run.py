@@ -651,6 +651,8 @@ def main():
     parser.add_argument("--list", action="store_true", help="print the sampled mutants and stop")
     parser.add_argument("--range", default=None, help="A:B: run only the sampled mutants A..B-1 (runs side by side, "
                         "each with its own --workdir, then --merge)")
+    parser.add_argument("--indices", default=None, help="I,J,...: run only these sampled mutants (0-based), e.g. "
+                        "a report's survivors again once tests were added")
     parser.add_argument("--workdir", default=WORK, help="the folder of the tree, build and packages")
     parser.add_argument("--merge", nargs="*", default=None, help="JSON reports of the ranges of one run: writes "
                         "their combined report to --report and stops")
@@ -688,6 +690,7 @@ def main():
     tree_files = [os.path.join(TREE, os.path.relpath(f, ROOT)) for f in files]
     sites = sample_sites(tree_files, args.seed, args.count)
     first, last = 0, len(sites)
+    chosen = None if args.indices is None else {int(i) for i in args.indices.split(",")}
     if args.range:
         first, last = (int(x) for x in args.range.split(":"))
     if args.list:
@@ -706,7 +709,7 @@ def main():
     results = []
     try:
         for number, site in enumerate(sites, 1):
-            if not first < number <= last:
+            if not first < number <= last or (chosen is not None and number - 1 not in chosen):
                 continue
             result = run_mutant(site, baseline_hash, args, baseline, named_equivalent)
             result["index"] = number - 1
