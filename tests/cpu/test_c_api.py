@@ -392,6 +392,23 @@ def test_producer_device_that_is_not_a_device_is_refused_clearly(example, device
         example.managed(AbsurdDevice(device), 1)
 
 
+def test_producer_device_types_up_to_int32_max_are_asked_for_their_tensor(example):
+    """DLPack's device type is an int32: the largest one is a device type (its producer is asked, with the
+    consumer's stream), one more is not (refused before the producer is asked)."""
+    asked = []
+
+    class LargestDevice(AbsurdDevice):
+        def __dlpack__(self, stream=None, max_version=None):
+            asked.append(stream)
+            raise ValueError("this producer makes no tensor")
+
+    with pytest.raises(ValueError, match="this producer makes no tensor"):
+        example.managed(LargestDevice((2**31 - 1, 0)), 5)
+    assert asked == [5]
+    with pytest.raises(ValueError, match=r"returned \(2147483648, 0\), not a \(device_type, device_id\) pair"):
+        example.managed(AbsurdDevice((2**31, 0)), 5)
+
+
 class FreshBuffer:
     """An array interface whose 'data' is a buffer object made anew on each access, which NumPy's protocol
     allows: nothing but the caller holds it."""

@@ -99,6 +99,24 @@ def test_made_tensor_deleted_exactly_once_by_view():
     assert made.deleted == 1
 
 
+def test_an_interface_held_as_an_instance_attribute_is_not_kept(cudart):
+    """The interface dict of a plain holder (an instance attribute, found by walking the instance dict) holds no
+    more references after many conversions, consumed or not, of either interface."""
+    host = HostOwner()
+    device_array = np.arange(8, dtype=np.float32)
+    register(cudart, device_array, DEVICE, device=1)
+    device = HostOwner()
+    del device.__array_interface__
+    device.__cuda_array_interface__ = CaiArray(device_array).__cuda_array_interface__
+    dicts = [host.__array_interface__, device.__cuda_array_interface__]
+    before = [sys.getrefcount(d) for d in dicts]
+    for _ in range(100):
+        cai2dlpack(host)
+        np.from_dlpack(DLPackShim(host))
+        dlpack2cai(cai2dlpack(device, max_version=(1, 0)))
+    assert [sys.getrefcount(d) for d in dicts] == before
+
+
 def test_an_unconsumed_capsule_calls_the_deleter_its_tensor_names(cudart):
     """Dropped unconsumed, a capsule releases its tensor through the tensor's own deleter field (the DLPack
     contract), even when that is no longer ours: here a wrapper that counts its calls and then calls ours."""
