@@ -629,6 +629,10 @@ def merge(args):
         started.append(part.get("started", ""))
         elapsed = max(elapsed, part.get("elapsed_min", 0.0))
     ordered = [results[i] for i in sorted(results)]
+    named = read_equivalents()  # survivors named equivalent since their run
+    for result in ordered:
+        if result["status"] == "survived" and result["id"] in named:
+            result["status"], result["detail"] = "equivalent", named[result["id"]]
     write_report(args.report, args, ordered, sorted(deselected), min(started), elapsed)
 
 
