@@ -236,6 +236,16 @@ def test_zero_size_array_orders_nothing(cudart, consumer):
     del capsule
 
 
+def test_a_view_exporting_its_stream_reports_a_context_it_could_not_put_back(cudart, device_array):
+    """A view of device 2's memory exports its legacy stream after asking, in device 2's context, whether it
+    captures: when the caller's context cannot be put back, the export raises, naming the driver's call."""
+    view = dlpack2cai(cai2dlpack(CaiArray(device_array)))
+    assert view.__cuda_array_interface__["stream"] == 1
+    cudart.fail("cuCtxPopCurrent", 201)
+    with pytest.raises(RuntimeError, match="cuCtxPopCurrent failed: CUDA_ERROR_INVALID_CONTEXT"):
+        view.__cuda_array_interface__
+
+
 def test_pinned_memory_of_no_device_is_ordered_in_device_0s_context(cudart):
     """Pinned memory whose pointer names no device (cudaPointerGetAttributes says -2) is ordered on the legacy
     stream of device 0's primary context, whatever device the caller is on."""
