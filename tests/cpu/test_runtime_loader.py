@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 import numpy as np  # noqa: F401  (the child imports it too)
+import pytest
 
 PROBE = textwrap.dedent("""
     import numpy as np, cai_dlpack
@@ -125,11 +126,12 @@ def test_runtime_inside_nvidia_wheels_is_found(tmp_path):
     assert result.stdout.strip() == f"pip wheel {lib / 'libcudart.so.13'}", result.stdout + result.stderr
 
 
-def test_runtime_needing_a_newer_driver_is_refused():
+@pytest.mark.parametrize("driver,named", [("12080", "12.8"), ("12090", "12.9")])
+def test_runtime_needing_a_newer_driver_is_refused(driver, named):
     """A runtime newer than the driver would fail every call (cudaErrorInsufficientDriver): refused at load."""
-    out = run_probe(CAI_DLPACK_CUDART=os.environ["CAI_DLPACK_CUDART"], CUDART_DOUBLE_DRIVER_VERSION="12080")
+    out = run_probe(CAI_DLPACK_CUDART=os.environ["CAI_DLPACK_CUDART"], CUDART_DOUBLE_DRIVER_VERSION=driver)
     assert out.startswith("ERROR RuntimeError CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded")
-    assert "(runtime 13.0 needs a newer driver than this CUDA 12.8 one)" in out
+    assert f"(runtime 13.0 needs a newer driver than this CUDA {named} one)" in out
 
 
 def test_runtime_without_a_driver_still_loads():
