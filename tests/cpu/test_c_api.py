@@ -266,6 +266,17 @@ def test_exchange_allocator_puts_the_callers_context_back(cudart, example):
     assert cudart.log().count("cudaMalloc(16) -> ok") == 2 and cudart.log().count("cudaFree()") == 2
 
 
+@pytest.mark.parametrize("code,name", [(1, "cudaErrorInvalidValue"), (2, "cudaErrorMemoryAllocation")])
+def test_a_failed_device_allocation_puts_the_callers_context_back(cudart, example, code, name):
+    """cudaMalloc failing, with whatever error, on a device other than the caller's: its context is popped again."""
+    cudart.fail("cudaMalloc", code)
+    with pytest.raises(RuntimeError, match=f"cudaMalloc failed: {name}"):
+        example.exchange_allocate(DLPackView, (2, 32), (4,), (2, 3))
+    calls = [line for line in cudart.log() if line.startswith(("cuCtxPush", "cuCtxPop"))]
+    assert calls == ["cuCtxPushCurrent(ctx3)", "cuCtxPopCurrent() -> ctx0 current"], calls
+    assert cudart.context_device == 0 and cudart.current_device == 0
+
+
 def test_exchange_allocator_makes_pinned_and_managed_memory_in_the_callers_context(cudart, example):
     """Pinned and managed tensors say device 0 (DLPack), but any device may use them: no context is pushed, so none
     is made on device 0 for a caller working on device 2."""
@@ -395,6 +406,23 @@ class AbsurdDevice:
 def test_producer_device_that_is_not_a_device_is_refused_clearly(example, device):
     with pytest.raises(ValueError, match=r"__dlpack_device__\(\) returned .*not a \(device_type, device_id\) pair"):
         example.managed(AbsurdDevice(device), 1)
+
+
+def test_producer_device_types_up_to_int32_max_are_asked_for_their_tensor(example):
+    """DLPack's device type is an int32: the largest one is a device type (its producer is asked, with the
+    consumer's stream), one more is not (refused before the producer is asked)."""
+    asked = []
+
+    class LargestDevice(AbsurdDevice):
+        def __dlpack__(self, stream=None, max_version=None):
+            asked.append(stream)
+            raise ValueError("this producer makes no tensor")
+
+    with pytest.raises(ValueError, match="this producer makes no tensor"):
+        example.managed(LargestDevice((2**31 - 1, 0)), 5)
+    assert asked == [5]
+    with pytest.raises(ValueError, match=r"returned \(2147483648, 0\), not a \(device_type, device_id\) pair"):
+        example.managed(AbsurdDevice((2**31, 0)), 5)
 
 
 class FreshBuffer:

@@ -1,5 +1,6 @@
 """Every refusal: the exception type, and a message that names the key and the value."""
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -54,6 +55,7 @@ CASES = [
     (dict(shape=(2**62,)), ValueError, "outside the address space"),
     (dict(typestr=">f4"), ValueError, "'typestr' '>f4' has non-native byte order"),
     (dict(typestr="<f16"), ValueError, "'typestr' '<f16' has no DLPack equivalent"),
+    (dict(typestr=">f" if sys.byteorder == "little" else "<f"), ValueError, "has no DLPack equivalent"),  # too short
     (dict(typestr="|O8"), ValueError, "'typestr' '|O8' has no DLPack equivalent"),
     (dict(typestr="<U4"), ValueError, "'typestr' '<U4'"),
     (dict(typestr="|V8"), ValueError, "'typestr' '|V8'"),

@@ -153,6 +153,27 @@ def through(door, example, obj, consumer):
     raise AssertionError(door)
 
 
+def stream_words(stream):
+    """A stream as the refusals name it."""
+    return {LEGACY: "the legacy default stream", PER_THREAD: "the per-thread default stream"}.get(
+        stream, f"stream {stream}")
+
+
+def refusal_naming(cell):
+    """A pattern of the refusal's message for the cell: which stream (producer or consumer) is at fault, by value."""
+    producer, made, consumer, used = cell
+    p, c = re.escape(stream_words(producer)), re.escape(stream_words(consumer))
+    outcome = TABLE[made][used]
+    if outcome == IMPLICIT:  # dlpack2cai refuses its consumer's stream before it asks the producer for a tensor
+        return ("the producer stream is" if made == BLOCKED else
+                "(the consumer stream|dlpack2cai's stream \\(None\\)) is") + " the legacy default stream"
+    if outcome == INVALID:
+        return f"the capture on {p if made == INVALIDATED else c} \\(capture id \\d+\\) was already invalidated"
+    if outcome == MERGE:
+        return f"producer {p} is capturing CUDA graph capture \\d+ and consumer {c} capture \\d+"
+    return f"producer {p} is capturing a CUDA graph \\(capture id \\d+\\).* and consumer {c}, outside"
+
+
 def check_cell(cudart, cell, convert):
     producer, made, consumer, used = cell
     outcome = TABLE[made][used]
@@ -166,6 +187,7 @@ def check_cell(cudart, cell, convert):
             assert re.search(r"capture(?: id)? \d+", message)  # the capture is named
         else:
             assert "legacy default stream" in message
+        assert re.search(refusal_naming(cell), message), (refusal_naming(cell), message)
     else:
         result = convert()  # kept until the log is read: dropping it records its release on the consumer stream
         assert result is not None
@@ -296,6 +318,24 @@ def test_external_wait_uses_its_own_event_per_producer_stream(cudart, data):
     cudart.clear_log()
     cai2dlpack(CaiArray(data, stream=P_HANDLE), stream=C_HANDLE)  # after the capture: the shared event again
     assert events_used(cudart.log()) == [shared, shared] and cudart.events_created == created
+
+
+_FRESH_PRODUCERS = itertools.count(0x7A000000, 0x100)  # stream handles no other test uses, new on each use
+
+
+def test_every_pooled_event_is_found_again(cudart, data):
+    """The pool keeps 64 events and finds each kept one again, whatever slot it fell in. 64 new external-wait
+    entries (one per producer stream) fill every slot, whatever the pool held before (another test's entries, or
+    none); the next 64 conversions of the same streams then make no event at all."""
+    producers = [next(_FRESH_PRODUCERS) for _ in range(64)]
+    capture = cudart.begin_capture(C_HANDLE, 0, GLOBAL)
+    for producer in producers:
+        cai2dlpack(CaiArray(data, stream=producer), stream=C_HANDLE)
+    created = cudart.events_created
+    for producer in producers:
+        cai2dlpack(CaiArray(data, stream=producer), stream=C_HANDLE)
+    assert cudart.events_created == created
+    assert cudart.end_capture(capture) and cudart.violations == 0
 
 
 def test_per_thread_producer_streams_of_two_threads_have_their_own_external_events(cudart, data):

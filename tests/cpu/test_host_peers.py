@@ -1,4 +1,6 @@
 """The converters against real third-party peers on host memory: NumPy and PyTorch (CPU)."""
+import re
+
 import numpy as np
 import pytest
 
@@ -168,6 +170,32 @@ def test_array_interface_with_offset_and_bounds():
     past_end = Holder({"shape": (13,), "typestr": "|u1", "data": buffer, "offset": 4, "version": 3})
     with pytest.raises(ValueError, match="buffer of 16 bytes"):
         cai2dlpack(past_end)
+
+
+@pytest.mark.parametrize("shape,strides,offset,expected", [
+    ((8,), None, 0, list(range(8))),  # the whole buffer, to its last byte
+    ((9,), None, 0, "bytes [0, 9) of a buffer of 8 bytes"),
+    ((4,), None, 4, [4, 5, 6, 7]),  # from the offset to the end
+    ((5,), None, 4, "bytes [4, 9) of a buffer of 8 bytes"),
+    ((4,), (-1,), 3, [3, 2, 1, 0]),  # backwards from the offset to the first byte
+    ((5,), (-1,), 3, "bytes [-1, 4) of a buffer of 8 bytes"),
+    ((2, 2), (6, 1), 0, [[0, 1], [6, 7]]),  # strided, its last element the buffer's last byte
+    ((2, 2), (7, 1), 0, "bytes [0, 9) of a buffer of 8 bytes"),
+    ((0,), None, 8, []),  # nothing read, at the buffer's end
+])
+def test_array_interface_buffer_bounds_to_the_byte(shape, strides, offset, expected):
+    """An __array_interface__ over a buffer may reach every byte of it and not one more, either way."""
+    class Holder:
+        def __init__(self, iface):
+            self.__array_interface__ = iface
+
+    obj = Holder({"shape": shape, "strides": strides, "typestr": "|u1", "data": bytearray(range(8)),
+                  "offset": offset, "version": 3})
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=re.escape(f"'shape', 'strides' and 'offset' reach {expected}")):
+            cai2dlpack(obj)
+    else:
+        assert np.from_dlpack(DLPackShim(obj)).tolist() == expected
 
 
 def test_dlpack_version_constant():

@@ -2,6 +2,11 @@
 3.11, a dict watcher on 3.12+): every change to the dict, and every value that could change without the dict
 changing, must still be read afresh. _interface_cache_info() counts reuses ("hits") and records kept
 ("stores"), so each test can say which way a conversion went."""
+import json
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -271,3 +276,43 @@ def test_an_objects_own_attributes_as_the_interface_are_read_afresh():
             a.shape = shape
         for _ in range(2):
             np.testing.assert_array_equal(converted(made)[1], x[:shape[0]])
+
+
+TAKE_EVERY_WATCHER = textwrap.dedent("""
+    import ctypes, json
+    # Every dict watcher id of the interpreter taken before cai_dlpack is imported (callbacks that are never
+    # called: they watch no dict). PyDict_AddWatcher raises RuntimeError once none is left.
+    callback_type = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    callback = callback_type(lambda *event: 0)
+    add_watcher = ctypes.pythonapi.PyDict_AddWatcher
+    add_watcher.argtypes, add_watcher.restype = [callback_type], ctypes.c_int
+    taken = 0
+    while True:
+        try:
+            add_watcher(callback)
+        except RuntimeError:
+            break
+        taken += 1
+        assert taken < 1000
+    import numpy as np
+    from cai_dlpack import _core, cai2dlpack, dlpack2cai
+    class Holder:
+        pass
+    holder, array = Holder(), np.arange(6.0)
+    holder.__array_interface__ = dict(array.__array_interface__)
+    results = [np.asarray(dlpack2cai(cai2dlpack(holder))).tolist() for _ in range(3)]
+    holder.__array_interface__["shape"] = (3,)  # a change no watcher reports: read afresh all the same
+    results.append(np.asarray(dlpack2cai(cai2dlpack(holder))).tolist())
+    print(json.dumps({"taken": taken, "info": _core._interface_cache_info(), "results": results}))
+""")
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="dict watchers exist from CPython 3.12 on (3.11 tells a "
+                    "change by the dict's version tag, and has no watcher to run out of); CI's 3.12 stage runs this")
+def test_with_every_dict_watcher_taken_nothing_is_kept_and_every_dict_is_read():
+    result = subprocess.run([sys.executable, "-c", TAKE_EVERY_WATCHER], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["taken"] > 0
+    assert seen["info"] == {"enabled": False, "hits": 0, "stores": 0}
+    assert seen["results"] == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]] * 3 + [[0.0, 1.0, 2.0]]

@@ -126,6 +126,47 @@ def test_made_tensor_deleted_exactly_once_by_view():
     assert made.deleted == 1
 
 
+def test_an_interface_held_as_an_instance_attribute_is_not_kept(cudart):
+    """The interface dict of a plain holder (an instance attribute, found by walking the instance dict) holds no
+    more references after many conversions, consumed or not, of either interface."""
+    host = HostOwner()
+    device_array = np.arange(8, dtype=np.float32)
+    register(cudart, device_array, DEVICE, device=1)
+    device = HostOwner()
+    del device.__array_interface__
+    device.__cuda_array_interface__ = CaiArray(device_array).__cuda_array_interface__
+    dicts = [host.__array_interface__, device.__cuda_array_interface__]
+    before = [sys.getrefcount(d) for d in dicts]
+    for _ in range(100):
+        cai2dlpack(host)
+        np.from_dlpack(DLPackShim(host))
+        dlpack2cai(cai2dlpack(device, max_version=(1, 0)))
+    assert [sys.getrefcount(d) for d in dicts] == before
+
+
+def test_an_unconsumed_capsule_calls_the_deleter_its_tensor_names(cudart):
+    """Dropped unconsumed, a capsule releases its tensor through the tensor's own deleter field (the DLPack
+    contract), even when that is no longer ours: here a wrapper that counts its calls and then calls ours."""
+    from support.dlpack_ctypes import VersionedDeleter
+
+    owner = HostOwner()
+    ref = weakref.ref(owner)
+    capsule = cai2dlpack(owner, max_version=(1, 0))
+    managed = DLManagedTensorVersioned.from_address(_api.PyCapsule_GetPointer(capsule, b"dltensor_versioned"))
+    ours = VersionedDeleter(ctypes.cast(managed.deleter, ctypes.c_void_p).value)
+    calls = []
+
+    def counting(pointer):
+        calls.append(1)
+        ours(pointer)
+
+    wrapper = VersionedDeleter(counting)
+    managed.deleter = wrapper
+    del owner, capsule
+    gc.collect()
+    assert calls == [1] and ref() is None
+
+
 def test_deleter_runs_on_a_thread_without_the_gil(cudart):
     """A framework may free the tensor from a thread of its own that never held the GIL."""
     owner = HostOwner()
@@ -232,6 +273,7 @@ def paths(cudart):
         "host legacy": lambda: cai2dlpack(host_owner),
         "host versioned": lambda: cai2dlpack(host_owner, max_version=(1, 0)),
         "device with streams": lambda: cai2dlpack(device, stream=0x6000, max_version=(1, 0)),
+        "device with a stream object": lambda: cai2dlpack(device, stream=StreamObject(0x6000), max_version=(1, 0)),
         "event record refused twice": dead_handle_every_time,
         "dict with owner": lambda: cai2dlpack(device.__cuda_array_interface__, owner=host),
         "shim into numpy": lambda: np.from_dlpack(DLPackShim(host_owner)),
@@ -255,6 +297,16 @@ def paths(cudart):
         "error: used capsule": expect(BufferError, dlpack2cai, _used_capsule()),
         "error: bad tensor": bad_tensor,
     }
+
+
+class StreamObject:
+    """A stream of the CUDA stream protocol whose __cuda_stream__() makes a new (version, handle) pair each call."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
 
 
 class FreshCai:
@@ -286,7 +338,8 @@ def _used_capsule():
 
 PATH_NAMES = [
     "host legacy", "host versioned", "fresh numpy interface", "fresh CAI dict", "fresh buffer interface",
-    "error: fresh dict", "device with streams", "dict with owner", "shim into numpy", "shim into torch",
+    "error: fresh dict", "device with streams", "device with a stream object", "dict with owner", "shim into numpy",
+    "shim into torch",
     "torch into view into numpy", "view handed on", "device view interface", "error: typestr", "error: missing key",
     "numpy refuses a device tensor", "error: stream", "error: unregistered", "error: read-only legacy", "error: cuda", "error: used capsule",
     "error: bad tensor",

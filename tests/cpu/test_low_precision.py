@@ -1,6 +1,8 @@
 """bfloat16, float8 and packed float4 across the bridge: torch tensors into NumPy as raw bytes a user
 reinterprets with ml_dtypes, and back into torch with the exact type, bit for bit and in the same memory;
 ml_dtypes arrays into torch; dtype= for what a typestr cannot name; the same through the C doors."""
+import sys
+
 import numpy as np
 import pytest
 from cai_dlpack import DLPackShim, UnsupportedArrayError, cai2dlpack, dlpack2cai
@@ -82,6 +84,50 @@ def test_dtype_names_what_the_typestr_cannot(requested):
     assert t.dtype == torch.bfloat16 and t.tolist() == [1.0, 2.0, -3.0]
     assert t.data_ptr() == bits.__array_interface__["data"][0]
     assert torch.from_dlpack(DLPackShim(bits, dtype=requested)).tolist() == [1.0, 2.0, -3.0]
+
+
+def test_a_dtype_request_keeps_no_reference_to_what_names_it():
+    """dtype= given as a str, or as an object whose name is read, holds no reference once the call is over."""
+    name = "".join(["bfloat", "16"])  # made at run time: neither interned nor a constant of the code
+
+    class Named:
+        def __init__(self, name):
+            self.name = name
+
+    named = Named("".join(["bfloat", "16"]))
+    bits = np.zeros(3, np.uint16)
+    before = sys.getrefcount(name), sys.getrefcount(named.name)
+    for _ in range(100):
+        cai2dlpack(bits, dtype=name)
+        DLPackShim(bits, dtype=named)
+    assert (sys.getrefcount(name), sys.getrefcount(named.name)) == before
+
+
+class _NameRaises:
+    """A dtype= object whose name cannot be read: its own error is the caller's to see."""
+
+    @property
+    def name(self):
+        raise LookupError("this dtype's name cannot be read")
+
+
+class _NameNotStr:
+    """A dtype= object whose name is not a str and whose str() fails."""
+
+    name = 7
+
+    def __str__(self):
+        raise LookupError("this dtype cannot be written")
+
+
+@pytest.mark.parametrize("requested,message", [(_NameRaises(), "name cannot be read"),
+                                               (_NameNotStr(), "cannot be written")])
+def test_a_dtype_whose_name_fails_raises_its_own_error(requested, message):
+    bits = np.zeros(3, np.uint16)
+    with pytest.raises(LookupError, match=message):
+        cai2dlpack(bits, dtype=requested)
+    with pytest.raises(LookupError, match=message):
+        DLPackShim(bits, dtype=requested)
 
 
 def test_mismatched_sizes_and_unknown_names_are_refused_by_name():

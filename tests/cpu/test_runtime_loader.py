@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 import numpy as np  # noqa: F401  (the child imports it too)
+import pytest
 
 PROBE = textwrap.dedent("""
     import numpy as np, cai_dlpack
@@ -50,6 +51,27 @@ def test_named_runtime_that_does_not_exist():
     out = run_probe(CAI_DLPACK_CUDART="/nowhere/libcudart.so.99")
     assert out.startswith("ERROR RuntimeError CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded")
     assert "/nowhere/libcudart.so.99" in out
+
+
+VIEW_PROBE = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import cai_dlpack
+    from support.dlpack_ctypes import MadeTensor
+    made = MadeTensor(data=4096, device=(2, 0), shape=(3,))  # a CUDA tensor: taking it needs no runtime
+    view = cai_dlpack.dlpack2cai(made.capsule)  # its stream: the legacy default stream
+    try:
+        view.__cuda_array_interface__  # exporting the stream asks the runtime whether it captures
+    except Exception as error:
+        print("ERROR", type(error).__name__, error)
+    else:
+        print("EXPORTED")
+""").format(tests=os.path.join(os.path.dirname(__file__), os.pardir))
+
+
+def test_a_view_exporting_its_stream_raises_when_the_runtime_cannot_load():
+    out = run_probe(CAI_DLPACK_CUDART="/nowhere/libcudart.so.99", probe=VIEW_PROBE)
+    assert out.startswith("ERROR RuntimeError CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded"), out
 
 
 def test_named_library_that_is_not_a_runtime():
@@ -104,11 +126,12 @@ def test_runtime_inside_nvidia_wheels_is_found(tmp_path):
     assert result.stdout.strip() == f"pip wheel {lib / 'libcudart.so.13'}", result.stdout + result.stderr
 
 
-def test_runtime_needing_a_newer_driver_is_refused():
+@pytest.mark.parametrize("driver,named", [("12080", "12.8"), ("12090", "12.9")])
+def test_runtime_needing_a_newer_driver_is_refused(driver, named):
     """A runtime newer than the driver would fail every call (cudaErrorInsufficientDriver): refused at load."""
-    out = run_probe(CAI_DLPACK_CUDART=os.environ["CAI_DLPACK_CUDART"], CUDART_DOUBLE_DRIVER_VERSION="12080")
+    out = run_probe(CAI_DLPACK_CUDART=os.environ["CAI_DLPACK_CUDART"], CUDART_DOUBLE_DRIVER_VERSION=driver)
     assert out.startswith("ERROR RuntimeError CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded")
-    assert "(runtime 13.0 needs a newer driver than this CUDA 12.8 one)" in out
+    assert f"(runtime 13.0 needs a newer driver than this CUDA {named} one)" in out
 
 
 def test_runtime_without_a_driver_still_loads():

@@ -237,6 +237,30 @@ def test_zero_size_array_orders_nothing(cudart, consumer):
     del capsule
 
 
+def test_a_view_exporting_its_stream_reports_a_context_it_could_not_put_back(cudart, device_array):
+    """A view of device 2's memory exports its legacy stream after asking, in device 2's context, whether it
+    captures: when the caller's context cannot be put back, the export raises, naming the driver's call."""
+    view = dlpack2cai(cai2dlpack(CaiArray(device_array)))
+    assert view.__cuda_array_interface__["stream"] == 1
+    cudart.fail("cuCtxPopCurrent", 201)
+    with pytest.raises(RuntimeError, match="cuCtxPopCurrent failed: CUDA_ERROR_INVALID_CONTEXT"):
+        view.__cuda_array_interface__
+
+
+def test_pinned_memory_of_no_device_is_ordered_in_device_0s_context(cudart):
+    """Pinned memory whose pointer names no device (cudaPointerGetAttributes says -2) is ordered on the legacy
+    stream of device 0's primary context, whatever device the caller is on."""
+    host = np.arange(4, dtype=np.float32)
+    register(cudart, host, PINNED_HOST, device=-2)
+    cudart.current_device = 2
+    cudart.clear_log()
+    cai2dlpack(CaiArray(host, stream=1), stream=S2)
+    log = cudart.log()
+    assert [line for line in log if line.startswith(("cuCtxPush", "cuDevicePrimaryCtxRetain"))] == [
+        "cuDevicePrimaryCtxRetain(0)", "cuCtxPushCurrent(ctx0)"], log
+    assert cudart.current_device == 2
+
+
 class StreamObject:
     """A stream of the CUDA stream protocol (cuda.core, tvm-ffi): __cuda_stream__() -> (version, handle)."""
 
@@ -271,6 +295,27 @@ def test_a_null_stream_object_is_the_legacy_stream_and_producers_get_an_int(cuda
     assert asked == [1] and view.__cuda_array_interface__["stream"] == 1
     dlpack2cai(Producer(), stream=StreamObject(S2))
     assert asked == [1, S2]
+
+
+def test_a_stream_objects_pair_is_released_after_each_conversion(cudart, device_array):
+    """The (version, handle) pair that __cuda_stream__() returns is released by every door that takes a stream
+    object, whether the handle is taken or refused."""
+    good, bad = tuple([0, S2]), tuple([0, -5])  # made at run time: no constant of the code object holds them
+
+    class Returning:
+        def __init__(self, pair):
+            self.pair = pair
+
+        def __cuda_stream__(self):
+            return self.pair
+
+    before = sys.getrefcount(good), sys.getrefcount(bad)
+    for _ in range(100):
+        cai2dlpack(CaiArray(device_array, stream=S1), stream=Returning(good))
+        DLPackShim(CaiArray(device_array, stream=S1)).__dlpack__(stream=Returning(good))
+        with pytest.raises(ValueError, match="whose handle is not a pointer"):
+            cai2dlpack(CaiArray(device_array, stream=S1), stream=Returning(bad))
+    assert (sys.getrefcount(good), sys.getrefcount(bad)) == before
 
 
 @pytest.mark.parametrize("stream,error,message", [
