@@ -132,9 +132,19 @@ static int cdl_api_to_managed_tensor(PyObject *obj, int64_t consumer_stream, DLM
         if (view == NULL) {
             /* A producer whose DLPack export cannot describe its data (NumPy's, for an ml_dtypes array) may
              * still describe it through its array interface, which is read instead. */
-            if (!PyErr_ExceptionMatches(PyExc_BufferError) || !cdl_has_interface(obj))
+            if (!PyErr_ExceptionMatches(PyExc_BufferError))
                 return -1;
-            PyErr_Clear();
+            /* (the attribute lookups of cdl_has_interface must not run with the producer's error set) */
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);
+            int has_interface = cdl_has_interface(obj);
+            if (!has_interface) {
+                PyErr_Restore(type, value, traceback);
+                return -1;
+            }
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
         }
     }
     if (view != NULL)

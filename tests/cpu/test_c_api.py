@@ -499,3 +499,19 @@ def test_header_usage_example_compiles():
     result = subprocess.run([compiler, "-c", "-Wall", "-Werror", "-I", sysconfig.get_paths()["include"],
                              "-I", os.path.join(ROOT, "include"), path, "-o", os.path.join(directory, "usage.o")], capture_output=True, text=True)
     assert result.returncode == 0, source + result.stderr
+
+
+@pytest.mark.parametrize("error", [BufferError, ValueError])
+def test_to_managed_tensor_passes_on_a_dlpack_producers_own_error(error):
+    """A DLPack producer whose __dlpack__ refuses, with no array interface to read instead: to_managed_tensor
+    raises the producer's own exception (a BufferError included: it is checked for a fallback first)."""
+
+    class Refusing:
+        def __dlpack_device__(self):
+            return (1, 0)
+
+        def __dlpack__(self, **kwargs):
+            raise error("the producer's own words")
+
+    with pytest.raises(error, match="the producer's own words"):
+        doors.to_managed_tensor(Refusing(), -1)
