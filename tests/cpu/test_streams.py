@@ -472,3 +472,43 @@ def test_a_per_thread_stream_view_whose_event_cannot_be_made_is_not_made(cudart,
     cudart.fail(call, 2)
     with pytest.raises(CudaError, match=call):
         dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=None)), stream=2)
+
+
+def _view_made_on_a_worker_for_its_per_thread_stream(cudart):
+    device = np.arange(24, dtype=np.float32)
+    register(cudart, device, DEVICE, 0)
+    producer = DLPackShim(CaiArray(device, stream=None))
+    made = []
+    worker = threading.Thread(target=lambda: made.append(dlpack2cai(producer, stream=2)))
+    worker.start()
+    worker.join()
+    marked = [line for line in cudart.log() if line.startswith("cudaEventRecord(") and line.endswith(", 2)")]
+    return made[0], marked[-1][len("cudaEventRecord("):].split(",")[0]
+
+
+def test_a_per_thread_stream_view_re_exported_into_this_threads_capture_joins_it_by_an_external_wait(cudart):
+    """This thread's per-thread stream captures: the wait for the view's event (recorded before, outside any
+    capture) is an external one, a node of the graph that waits at each launch; the capture stays whole."""
+    view, event = _view_made_on_a_worker_for_its_per_thread_stream(cudart)
+    capture = cudart.begin_capture(2, 0)
+    cudart.clear_log()
+    view.__dlpack__(stream=2, max_version=(1, 0))
+    assert f"cudaStreamWaitEvent(2, {event}, 1)" in cudart.log()
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+
+
+def test_a_failed_wait_for_a_per_thread_stream_views_event_is_raised(cudart):
+    view, _ = _view_made_on_a_worker_for_its_per_thread_stream(cudart)
+    cudart.fail("cudaStreamWaitEvent", 400)
+    with pytest.raises(CudaError, match="cudaStreamWaitEvent"):
+        view.__dlpack__(stream=2, max_version=(1, 0))
+
+
+def test_a_failed_host_wait_for_a_per_thread_stream_views_event_is_raised_and_tried_again(cudart, host_accessible):
+    view = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)), stream=2)
+    cudart.fail("cudaEventSynchronize", 700)
+    with pytest.raises(CudaError, match="cudaEventSynchronize"):
+        view.__array_interface__
+    cudart.clear_log()
+    np.asarray(view)  # not marked ready by the failed wait: the next read waits again
+    assert len(host_syncs(cudart)) == 1
