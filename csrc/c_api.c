@@ -12,7 +12,8 @@ static int cdl_array_of(PyObject *obj, cdl_array *arr, PyObject **owner, PyObjec
 {
     *keepalive = NULL;
     if (PyObject_TypeCheck(obj, &cdl_view_type)) {
-        cdl_array_from_view(obj, arr);
+        if (cdl_array_from_view(obj, arr) < 0)
+            return -1;
         *owner = obj;
         return 0;
     }
@@ -289,7 +290,8 @@ static int cdl_exchange_dltensor_from_object(void *py_object, DLTensor *out)
     if (PyObject_TypeCheck(obj, &cdl_view_type)) {
         /* The view's own tensor: borrowed shape and strides, nothing to copy. */
         cdl_array arr;
-        cdl_array_from_view(obj, &arr);
+        if (cdl_array_from_view(obj, &arr) < 0)
+            return -1;
         if (arr.read_only)
             return cdl_refuse_read_only_dltensor(obj);
         if (cdl_order_streams(&arr, CDL_STREAM_LEGACY) < 0)

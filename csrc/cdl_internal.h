@@ -293,11 +293,32 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer);
  * legacy stream and a blocking stream of device captures), since CAI consumers synchronize the stream they
  * are given and a capture forbids that. One capture query; none for stream 0 or host memory. 0 or -1. */
 int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out);
+/* The consumer stream a DLPackView was made for, kept so that any thread, on any current device, waits for
+ * that stream, not for the one its handle names there: 1 and 2 name the legacy / per-thread default stream of
+ * a device (the data's; for pinned and managed memory the caller's current one) and 2 that of the calling
+ * thread. Decided when the view is made, after its producer was ordered before the stream. */
+typedef struct {
+    int64_t stream;             /* the view's stream when a host read must wait for it; 0: for nothing */
+    int32_t device;             /* the device whose stream the handles 1 and 2 named */
+    unsigned long long thread;  /* for 2, the making thread's serial; else 0 */
+    void *event;                /* for 2, a cudaEvent_t recorded on that stream when the view was made (NULL
+                                 * while it captured a graph): what other threads wait for; else NULL */
+} cdl_view_stream;
+/* Fills point for a view of arr made for consumer (stream 0 when nothing orders it: -1, sync=False, host
+ * memory, no elements). 0, or -1 with an exception (nothing to clear). */
+int cdl_view_stream_set(cdl_view_stream *point, int64_t consumer, const cdl_array *arr);
+/* Destroys point's event, if any. Any thread. */
+void cdl_view_stream_clear(cdl_view_stream *point);
+/* Before a re-export: on a thread other than the one that made a per-thread-stream view, this thread's
+ * per-thread stream waits for the view's event and *producer becomes 2 (this thread's); BufferError where
+ * there is no event. Nothing elsewhere. 0 or -1. */
+int cdl_view_stream_join(const cdl_view_stream *point, int64_t *producer);
 /* Makes a host read of device-accessible memory (pinned, managed) safe: waits (host blocked, GIL released) for
- * stream, on which a DLPackView's producer made the data ready, since host readers (the array interface, the
- * buffer protocol) know no stream. Nothing for stream 0 (none, or -1: the caller took the duty), host memory,
- * or sync=False; CudaError, nothing called, while the stream captures a graph. 0 or -1. */
-int cdl_wait_for_host_read(int64_t stream, DLDevice device);
+ * point's stream, on which a DLPackView's producer made the data ready, since host readers (the array
+ * interface, the buffer protocol, a host consumer's __dlpack__) know no stream: its event where it has one,
+ * else the stream in the device it was made for. Nothing for stream 0 or host memory; CudaError, nothing
+ * called, while the stream captures a graph. 0 or -1. */
+int cdl_wait_for_host_read(const cdl_view_stream *point, DLDevice device);
 /* Refuses the legacy default stream of a device (device_type, device_id as DLPack gives them; the caller's
  * device for pinned and managed memory) with CudaError naming what (for example "the exchange API's work
  * stream is") while a blocking stream there captures a graph. 0 or -1. */
@@ -469,8 +490,9 @@ extern PyTypeObject cdl_view_type;
 int cdl_view_type_init(void);
 /* A view owning managed (stolen: on failure its deleter has run), its data ready on stream. */
 PyObject *cdl_view_new(cdl_managed managed, int64_t stream);
-/* A view's tensor as a record (byte offset folded in, strides explicit), and the tensor itself. */
-void cdl_array_from_view(PyObject *view, cdl_array *arr);
+/* A view's tensor as a record (byte offset folded in, strides explicit), its stream the one the view was made
+ * for as this thread and device can name it (cdl_view_stream_join); 0 or -1. And the tensor itself. */
+int cdl_array_from_view(PyObject *view, cdl_array *arr);
 const DLTensor *cdl_view_tensor(PyObject *view);
 /* dlpack2cai: a new view of obj, or NULL with an exception set. A capsule is consumed; an object whose type
  * publishes a DLPack C exchange API table (not ours) is taken through it when exchange is set (see

@@ -11,7 +11,8 @@ typedef struct {
     DLDevice device;
     int read_only;
     int64_t stream;         /* the stream the producer made the data ready on; 0: none (no sync asked) */
-    int host_ready;         /* the host has waited for stream once (pinned, managed memory): atomic */
+    cdl_view_stream made_for; /* that stream as it was when the view was made: what host reads wait for */
+    int host_ready;         /* the host has waited for made_for once (pinned, managed memory): atomic */
     cdl_release_point release_at; /* the producer's tensor is deleted after the work queued there by then */
     PyObject *shape;        /* tuple */
     PyObject *strides;      /* tuple of byte strides, or None for C-contiguous (always for empty arrays) */
@@ -86,10 +87,12 @@ static PyObject *cdl_view_from_record(cdl_managed managed, const cdl_array *arr,
     view->read_only = arr->read_only;
     view->stream = stream == CDL_STREAM_NO_SYNC ? 0 : stream;
     view->host_ready = 0;
+    view->made_for.event = NULL;
     cdl_release_point_set(&view->release_at, stream, arr);
     view->shape = view->strides = view->typestr = view->data = NULL;
     view->weakreflist = NULL;
-    if (cdl_view_describe(view, arr, cdl_managed_tensor(managed)->strides != NULL) < 0) {
+    if (cdl_view_stream_set(&view->made_for, view->stream, arr) < 0 ||
+        cdl_view_describe(view, arr, cdl_managed_tensor(managed)->strides != NULL) < 0) {
         Py_DECREF(view); /* dealloc runs the deleter */
         return NULL;
     }
@@ -318,6 +321,7 @@ static void cdl_view_dealloc(cdl_view *self)
     Py_XDECREF(self->strides);
     Py_XDECREF(self->typestr);
     Py_XDECREF(self->data);
+    cdl_view_stream_clear(&self->made_for);
     cdl_managed_delete_after(&self->managed, &self->release_at);
     PyObject_Free(self);
 }
@@ -371,7 +375,7 @@ static int cdl_view_ready_for_host(cdl_view *self)
 {
     if (__atomic_load_n(&self->host_ready, __ATOMIC_ACQUIRE))
         return 0;
-    if (cdl_wait_for_host_read(self->stream, self->device) < 0)
+    if (cdl_wait_for_host_read(&self->made_for, self->device) < 0)
         return -1;
     __atomic_store_n(&self->host_ready, 1, __ATOMIC_RELEASE);
     return 0;
@@ -500,13 +504,18 @@ static PyObject *cdl_view_get_read_only(cdl_view *self, void *closure)
 
 const DLTensor *cdl_view_tensor(PyObject *view) { return cdl_managed_tensor(((cdl_view *)view)->managed); }
 
-void cdl_array_from_view(PyObject *view, cdl_array *arr)
+int cdl_array_from_view(PyObject *view, cdl_array *arr)
 {
     const cdl_view *self = (const cdl_view *)view;
     /* Read when the view was made, and the producer's tensor does not change while we own it: the
      * reader cannot fail here. */
     (void)cdl_array_from_managed(self->managed, arr);
     arr->stream = self->stream;
+    /* A legacy or per-thread stream of pinned or managed memory was the making caller's device's: ordered
+     * there, whatever device is current now (the allocation's, which DLPack's device_id 0 does not give). */
+    if (self->stream > 0 && self->stream <= CDL_STREAM_PER_THREAD && self->device.device_type != kDLCUDA)
+        arr->home_device = self->made_for.device;
+    return cdl_view_stream_join(&self->made_for, &arr->stream);
 }
 
 static PyObject *cdl_view_dlpack(cdl_view *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
@@ -514,8 +523,15 @@ static PyObject *cdl_view_dlpack(cdl_view *self, PyObject *const *args, Py_ssize
     PyObject *values[4];
     if (cdl_parse_dlpack_keywords(args, nargs, kwnames, values) < 0)
         return NULL;
+    /* No stream for pinned or managed memory, handed on where it is: a host consumer (numpy.from_dlpack,
+     * torch.from_dlpack of kDLCUDAHost), which reads at once and is owed the host readers' wait. */
+    if ((values[0] == NULL || values[0] == Py_None) && (values[2] == NULL || values[2] == Py_None) &&
+        (values[3] == NULL || values[3] == Py_None || values[3] == Py_False) &&
+        cdl_host_accessible(self->device.device_type) && cdl_view_ready_for_host(self) < 0)
+        return NULL;
     cdl_array arr;
-    cdl_array_from_view((PyObject *)self, &arr);
+    if (cdl_array_from_view((PyObject *)self, &arr) < 0)
+        return NULL;
     return cdl_export(&arr, (PyObject *)self, NULL, values[0], values[1], values[2], values[3]);
 }
 

@@ -443,21 +443,156 @@ int cdl_stream_to_export(int64_t stream, DLDevice device, int64_t *out)
     return result;
 }
 
-int cdl_wait_for_host_read(int64_t stream, DLDevice device)
+int cdl_view_stream_set(cdl_view_stream *point, int64_t consumer, const cdl_array *arr)
 {
-    if (stream == 0 || !cdl_option_sync || !cdl_device_accessible(device.device_type))
+    point->stream = 0;
+    point->device = arr->device.device_id;
+    point->thread = 0;
+    point->event = NULL;
+    if (consumer == 0 || consumer == CDL_STREAM_NO_SYNC || !cdl_device_accessible(arr->device.device_type))
         return 0;
+    point->thread = consumer == CDL_STREAM_PER_THREAD ? cdl_thread_serial() : 0;
+    const cdl_cudart *rt = NULL;
+    /* The legacy and per-thread handles name a stream of a device: the data's, or for pinned and managed memory
+     * (any device may use it) the caller's current one, as stream ordering took them. */
+    if (consumer <= CDL_STREAM_PER_THREAD && arr->device.device_type != kDLCUDA) {
+        if ((rt = cdl_cudart_get()) == NULL)
+            return -1;
+        int current;
+        cudaError_t code = rt->get_device(&current);
+        if (code != cudaSuccess)
+            return cdl_raise_cuda_error("cudaGetDevice", code);
+        point->device = current;
+    }
+    /* Decided now: options(sync=...) switched later changes nothing a view promised (or did not). */
+    if (!cdl_option_sync)
+        return 0;
+    for (int32_t i = 0; i < arr->ndim; i++)
+        if (arr->shape[i] == 0)
+            return 0; /* nothing to read, and the device of a NULL pointer is only a guess */
+    point->stream = consumer;
+    if (consumer != CDL_STREAM_PER_THREAD)
+        return 0;
+    /* Only this thread can name its per-thread stream: an event marks the point the data is ready at, for a
+     * host read or a re-export on another thread. None while that stream captures (the event would be a node
+     * of the graph): other threads are then refused. */
+    if (rt == NULL && (rt = cdl_cudart_get()) == NULL)
+        return -1;
+    cdl_device_scope scope;
+    if (cdl_device_enter(rt, point->device, &scope) != 0)
+        return cdl_raise_scope_error(&scope);
+    cdl_capture capture;
+    int result = cdl_capture_of(rt, consumer, &capture);
+    const char *call = NULL;
+    cudaError_t code = cudaSuccess;
+    if (result == 0 && capture.state == CDL_CAPTURE_NONE) {
+        cudaEvent_t event;
+        code = rt->event_create_with_flags(&event, cudaEventDisableTiming);
+        if (code != cudaSuccess)
+            call = "cudaEventCreateWithFlags";
+        else if ((code = rt->event_record(event, (cudaStream_t)(uintptr_t)consumer)) != cudaSuccess) {
+            call = "cudaEventRecord";
+            (void)rt->event_destroy(event);
+        }
+        else
+            point->event = event;
+    }
+    const int left = cdl_device_leave(rt, &scope) == 0;
+    if (call != NULL)
+        return cdl_raise_cuda_error(call, code);
+    if (result == 0 && !left) {
+        cdl_view_stream_clear(point);
+        return cdl_raise_scope_error(&scope);
+    }
+    return result;
+}
+
+void cdl_view_stream_clear(cdl_view_stream *point)
+{
+    if (point->event == NULL)
+        return;
+    /* Any thread, GIL held or not: destroying an event whose record has not completed is allowed (its
+     * resources are released once it completes). */
+    const cdl_cudart *rt = cdl_cudart_loaded();
+    if (rt != NULL && rt->event_destroy((cudaEvent_t)point->event) != cudaSuccess)
+        (void)rt->get_last_error();
+    point->event = NULL;
+}
+
+/* BufferError: a per-thread stream of another thread, with no event to order after. Returns -1. */
+static int cdl_refuse_other_threads_stream(const char *what)
+{
+    PyErr_Format(PyExc_BufferError,
+                 "%s: this DLPackView was made with stream=2 on another thread while that thread's per-thread "
+                 "default stream was capturing a CUDA graph, and no other thread can name that stream to wait for "
+                 "it; use the view on the thread that made it, or make it with a stream handle",
+                 what);
+    return -1;
+}
+
+int cdl_view_stream_join(const cdl_view_stream *point, int64_t *producer)
+{
+    if (point->stream != CDL_STREAM_PER_THREAD || point->thread == cdl_thread_serial())
+        return 0;
+    if (point->event == NULL)
+        return cdl_refuse_other_threads_stream("a re-export of this DLPackView on another thread");
     const cdl_cudart *rt = cdl_cudart_get();
     if (rt == NULL)
         return -1;
+    /* This thread's own per-thread stream waits for the event, and stands for the view's stream from then on. */
+    cdl_device_scope scope;
+    if (cdl_device_enter(rt, point->device, &scope) != 0)
+        return cdl_raise_scope_error(&scope);
     cdl_capture capture;
-    if (cdl_capture_of(rt, stream, &capture) < 0)
+    int result = cdl_capture_of(rt, CDL_STREAM_PER_THREAD, &capture);
+    cudaError_t code = cudaSuccess;
+    if (result == 0)
+        code = rt->stream_wait_event((cudaStream_t)(uintptr_t)CDL_STREAM_PER_THREAD, (cudaEvent_t)point->event,
+                                     capture.state == CDL_CAPTURE_ACTIVE ? cudaEventWaitExternal : 0);
+    const int left = cdl_device_leave(rt, &scope) == 0;
+    if (result < 0)
         return -1;
+    if (code != cudaSuccess)
+        return cdl_raise_cuda_error("cudaStreamWaitEvent", code);
+    if (!left)
+        return cdl_raise_scope_error(&scope);
+    *producer = CDL_STREAM_PER_THREAD;
+    return 0;
+}
+
+int cdl_wait_for_host_read(const cdl_view_stream *point, DLDevice device)
+{
+    const int64_t stream = point->stream;
+    if (stream == 0 || !cdl_device_accessible(device.device_type))
+        return 0;
+    if (stream == CDL_STREAM_PER_THREAD && point->event == NULL && point->thread != cdl_thread_serial())
+        return cdl_refuse_other_threads_stream("a host read on another thread");
+    const cdl_cudart *rt = cdl_cudart_get();
+    if (rt == NULL)
+        return -1;
+    cudaError_t code;
+    cdl_capture_mode_scope relaxed;
+    if (point->event != NULL) {
+        /* Recorded outside any capture: waiting for it breaks none (relaxed: nor another thread's global one). */
+        Py_BEGIN_ALLOW_THREADS
+        cdl_capture_mode_relax(rt, &relaxed);
+        code = rt->event_synchronize((cudaEvent_t)point->event);
+        cdl_capture_mode_leave(rt, &relaxed);
+        Py_END_ALLOW_THREADS
+        return code == cudaSuccess ? 0 : cdl_raise_cuda_error("cudaEventSynchronize", code);
+    }
+    /* The legacy and per-thread handles are the streams of the device the view was made for. */
+    cdl_device_scope scope;
+    const int enter = stream <= CDL_STREAM_PER_THREAD;
+    if (enter && cdl_device_enter(rt, point->device, &scope) != 0)
+        return cdl_raise_scope_error(&scope);
+    cdl_capture capture;
+    int result = cdl_capture_of(rt, stream, &capture);
     /* Waiting for a capturing stream (or the legacy one while a blocking stream captures) would invalidate the
      * capture, and the data is not made before the graph is launched: refused, nothing called. */
-    if (capture.state != CDL_CAPTURE_NONE) {
+    if (result == 0 && capture.state != CDL_CAPTURE_NONE) {
         char words[64];
-        return cdl_raise_capture_error(
+        result = cdl_raise_capture_error(
             "cudaStreamSynchronize",
             capture.state == CDL_CAPTURE_LEGACY_UNUSABLE ? (int)cudaErrorStreamCaptureImplicit
                                                          : (int)cudaErrorStreamCaptureUnsupported,
@@ -468,15 +603,19 @@ int cdl_wait_for_host_read(int64_t stream, DLDevice device)
             capture.state == CDL_CAPTURE_LEGACY_UNUSABLE ? "a blocking stream captures a CUDA graph"
                                                          : "that stream is capturing a CUDA graph");
     }
-    cudaError_t code;
-    /* Relaxed: another thread's capture in global mode must not be broken by this wait. */
-    cdl_capture_mode_scope relaxed;
-    Py_BEGIN_ALLOW_THREADS
-    cdl_capture_mode_relax(rt, &relaxed);
-    code = rt->stream_synchronize((cudaStream_t)(uintptr_t)stream);
-    cdl_capture_mode_leave(rt, &relaxed);
-    Py_END_ALLOW_THREADS
-    return code == cudaSuccess ? 0 : cdl_raise_cuda_error("cudaStreamSynchronize", code);
+    if (result == 0) {
+        /* Relaxed: another thread's capture in global mode must not be broken by this wait. */
+        Py_BEGIN_ALLOW_THREADS
+        cdl_capture_mode_relax(rt, &relaxed);
+        code = rt->stream_synchronize((cudaStream_t)(uintptr_t)stream);
+        cdl_capture_mode_leave(rt, &relaxed);
+        Py_END_ALLOW_THREADS
+        if (code != cudaSuccess)
+            result = cdl_raise_cuda_error("cudaStreamSynchronize", code);
+    }
+    if (enter && cdl_device_leave(rt, &scope) != 0 && result == 0)
+        result = cdl_raise_scope_error(&scope);
+    return result;
 }
 
 int cdl_legacy_stream_unusable(void)

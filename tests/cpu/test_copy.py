@@ -714,3 +714,80 @@ def test_pinned_copy_for_the_same_legacy_stream_on_the_allocations_device_is_not
     with pytest.raises(CudaError, match="^cudaGetDevice failed: cudaErrorUnknown"):
         DLPackShim(obj).__dlpack__(stream=1)
     assert cudart.log()[-2:] == ["cudaGetDevice() -> -1", "cudaGetLastError() -> 999"]  # and nothing after it
+
+
+# ---- a view's legacy stream of pinned memory is the making caller's device's ------------------------------------
+# dlpack2cai(x, stream=None or 1) asks the producer for data ready on the caller's legacy stream (device 1's here);
+# a DLPack pinned tensor says device_id 0 whatever device allocated it, so a view keeps the device its stream
+# was, and copies of it are ordered after that stream.
+
+_PRODUCERS_KEPT = []  # producers' ctypes tensors live as long as the process: a view may outlive a failing test
+
+
+class PinnedProducer:
+    """A DLPack producer of pinned memory (DLPack says device_id 0 for kDLCUDAHost)."""
+
+    def __init__(self, array):
+        self.made = MadeTensor(data=array.ctypes.data, device=(kDLCUDAHost, 0), shape=array.shape)
+        self.asked = []
+        _PRODUCERS_KEPT.append(self)
+
+    def __dlpack_device__(self):
+        return (kDLCUDAHost, 0)
+
+    def __dlpack__(self, stream=None, max_version=None, **_):
+        self.asked.append(stream)
+        return self.made.capsule
+
+
+def _pinned(cudart, device):
+    a = np.arange(24, dtype=np.float32)
+    register(cudart, a, PINNED_HOST, device)
+    return a
+
+
+def test_pinned_view_copy_on_another_device_is_ordered_after_the_views_stream(cudart):
+    a = _pinned(cudart, 0)
+    cudart.current_device = 1
+    producer = PinnedProducer(a)
+    view = dlpack2cai(producer, stream=1)  # the producer's work is ordered before device 1's legacy stream
+    assert producer.asked == [1]
+    cudart.current_device = 0
+    cudart.log_context()
+    cudart.clear_log()
+    view.__dlpack__(stream=1, copy=True, max_version=(1, 0))  # copies on device 0's legacy stream ...
+    log = cudart.log()
+    # ... after device 1's legacy stream: an event recorded there, waited for by device 0's.
+    record = [i for i, line in enumerate(log) if line.startswith("cudaEventRecord") and line.endswith(", 1) @ctx1")]
+    wait = [i for i, line in enumerate(log) if line.startswith("cudaStreamWaitEvent(1, ") and line.endswith("@ctx0")]
+    first_copy = log.index(copies_in(log)[0])
+    assert record and wait and record[0] < wait[0] < first_copy, log
+
+
+@pytest.mark.parametrize("copy", [None, True])
+def test_pinned_view_exported_where_it_was_made_uses_no_other_devices_legacy_stream(cudart, copy):
+    """Made and handed on with device 1 current, for device 1's legacy stream: nothing is ordered on device 0's, so a
+    blocking capture there, unrelated to this conversion, neither breaks nor refuses it."""
+    a = _pinned(cudart, 1)
+    cudart.current_device = 1
+    view = dlpack2cai(PinnedProducer(a))
+    capture = cudart.begin_capture(S2, device=0, blocking=True)
+    cudart.log_context()
+    cudart.clear_log()
+    view.__dlpack__(copy=copy, max_version=(1, 0))
+    ordering = [line for line in cudart.log() if line.startswith(("cudaEventRecord", "cudaStreamWaitEvent"))]
+    assert not any(line.endswith("@ctx0") for line in ordering), ordering  # a copy's release event is device 1's
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+
+
+def test_pinned_view_host_copy_waits_for_the_views_stream(cudart):
+    # numpy.from_dlpack(view, device="cpu") copies after device 1's legacy stream, where the producer's work was
+    # ordered, not device 0's.
+    a = _pinned(cudart, 1)
+    cudart.current_device = 1
+    view = dlpack2cai(PinnedProducer(a))
+    cudart.log_context()
+    cudart.clear_log()
+    np.testing.assert_array_equal(np.from_dlpack(view, device="cpu"), a)
+    log = cudart.log()
+    assert any(line.startswith("cudaStreamSynchronize(1)") and line.endswith("@ctx1") for line in log), log

@@ -3,12 +3,13 @@ and consumer streams, in both directions, and that the host is never made to wai
 pinned or managed memory, which waits once for the stream its producer made it ready on."""
 import re
 import sys
+import threading
 
 import numpy as np
 import pytest
 
 import cai_dlpack
-from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai
+from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai, options
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST
 
@@ -47,6 +48,16 @@ def expected_calls(producer, consumer, data_device, current_device):
     if switch and not handle:
         calls.append(f"cuDevicePrimaryCtxRelease({data_device})")
     return calls
+
+
+def view_event_calls(data_device, current_device):
+    """The calls a view made for the per-thread stream (2) adds after the ordering: an event of its own recorded
+    on that stream in the data device's context, which other threads wait for (only this thread can name it)."""
+    return [f"cudaGetDevice() -> {current_device}", f"cuCtxGetCurrent() -> ctx{current_device}",
+            f"cuDevicePrimaryCtxGetState({data_device}) -> 1", f"cuDevicePrimaryCtxRetain({data_device})",
+            f"cuCtxPushCurrent(ctx{data_device})", "cudaStreamGetCaptureInfo(2) -> none",
+            "cudaEventCreateWithFlags(0x2) -> ev{}", "cudaEventRecord(ev{}, 2)",
+            f"cuCtxPopCurrent() -> ctx{current_device} current", f"cuDevicePrimaryCtxRelease({data_device})"]
 
 
 def strip_event_ids(calls):
@@ -97,7 +108,8 @@ def test_dlpack2cai_stream_pairs(cudart, device_array, producer, consumer):
         calls = calls[query + 2:]
         if calls[:1] == ["cuDevicePrimaryCtxRelease(2)"]:  # a context the scope found made is released again
             calls = calls[1:]
-    assert strip_event_ids(calls) == expected_calls(producer, consumer, 2, 0)
+    expected = expected_calls(producer, consumer, 2, 0) + (view_event_calls(2, 0) if consumer == 2 else [])
+    assert strip_event_ids(calls) == expected
     assert not any(call.startswith(BLOCKING) for call in cudart.log())
     exported = view.__cuda_array_interface__["stream"]
     assert exported == {None: 1, -1: None}.get(consumer, consumer)
@@ -380,3 +392,168 @@ def test_a_host_read_leaves_another_threads_capture_whole(cudart, host_accessibl
     np.asarray(view)
     assert host_syncs(cudart) == [f"cudaStreamSynchronize({S2})"]
     assert cudart.violations == 0 and cudart.end_capture(capture)
+
+
+# ---- what a view remembers of the stream it was made for ---------------------------------------------------
+# 1 and 2 name the legacy / per-thread default stream of the caller's current device, and 2 the calling thread's:
+# a view keeps what they named when it was made, not the handle.
+
+@pytest.fixture
+def sync_restored():
+    yield
+    options(sync=True)
+
+
+def test_a_host_read_on_another_thread_waits_for_the_making_threads_per_thread_stream(cudart, host_accessible):
+    """The view is made (S1 ordered before this thread's per-thread stream) on this thread; a host read on another
+    thread waits for the event recorded on this thread's stream then, never for its own per-thread stream, which
+    never waited for S1."""
+    view = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)), stream=2)
+    assert any(line.startswith("cudaStreamWaitEvent(2,") for line in cudart.log())
+    marked = [line for line in cudart.log() if line.startswith("cudaEventRecord(") and line.endswith(", 2)")]
+    assert len(marked) == 1  # the view's own event, on this thread's stream 2 after the wait
+    event = marked[0][len("cudaEventRecord("):].split(",")[0]
+    cudart.clear_log()
+    read = []
+    reader = threading.Thread(target=lambda: read.append(np.asarray(view).copy()))
+    reader.start()
+    reader.join()
+    np.testing.assert_array_equal(read[0], host_accessible)
+    assert host_syncs(cudart) == [f"cudaEventSynchronize({event})"]
+    del view
+    assert f"cudaEventDestroy({event})" in cudart.log()  # the view's event goes with it
+
+
+def test_a_host_read_after_the_current_device_changed_waits_for_the_making_devices_stream(cudart, host_accessible):
+    """A legacy-stream view of pinned or managed memory made while device 1 is current: S1 is ordered before
+    device 1's legacy stream. A host read after cudaSetDevice(0) waits for that stream, in device 1's context."""
+    cudart.current_device = 1
+    cudart.log_context(True)
+    view = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)))
+    waits = [line for line in cudart.log() if line.startswith("cudaStreamWaitEvent(1,")]
+    assert len(waits) == 1 and waits[0].endswith("@ctx1")
+    cudart.clear_log()
+    cudart.current_device = 0
+    np.asarray(view)
+    assert host_syncs(cudart) == ["cudaStreamSynchronize(1) @ctx1"]
+    assert cudart.current_device == 0
+
+
+def test_a_host_read_waits_as_the_sync_option_was_when_the_view_was_made(cudart, host_accessible, sync_restored):
+    """options() is process-wide and may be switched by any library later: a view made under sync=True waits for
+    its stream at its first host read whatever the option says by then, and one made under sync=False (nothing
+    ordered its stream after the producer's) waits for nothing, as the README says."""
+    ordered = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)), stream=S2)
+    options(sync=False)
+    unordered = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)), stream=S2)
+    cudart.clear_log()
+    np.asarray(ordered)
+    assert host_syncs(cudart) == [f"cudaStreamSynchronize({S2})"]
+    options(sync=True)
+    cudart.clear_log()
+    np.asarray(unordered)
+    assert host_syncs(cudart) == []
+
+
+def test_numpy_from_dlpack_of_a_view_waits_once_like_its_array_interface(cudart, host_accessible):
+    """numpy.from_dlpack calls __dlpack__ with no stream and reads pinned and managed memory on the host at once:
+    a host consumer, owed the host readers' wait (once per view). A consumer that names a stream is not."""
+    view = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)), stream=S2)
+    cudart.clear_log()
+    view.__dlpack__(stream=S1, max_version=(1, 0))
+    assert host_syncs(cudart) == []
+    a = np.from_dlpack(view)
+    assert a.__array_interface__["data"][0] == host_accessible.__array_interface__["data"][0]  # shared
+    assert host_syncs(cudart) == [f"cudaStreamSynchronize({S2})"]
+    cudart.clear_log()
+    np.from_dlpack(view), np.asarray(view)
+    assert host_syncs(cudart) == []
+
+
+def test_a_view_for_one_threads_per_thread_stream_re_exported_on_another_waits_for_it(cudart):
+    """A view made with stream=2 on a worker thread, copied on this thread for this thread's per-thread stream: this
+    thread's stream first waits for the event the view recorded on the worker's, then the copies are queued."""
+    device = np.arange(24, dtype=np.float32)
+    register(cudart, device, DEVICE, 0)
+    producer = DLPackShim(CaiArray(device, stream=None))
+    made = []
+    worker = threading.Thread(target=lambda: made.append(dlpack2cai(producer, stream=2)))
+    worker.start()
+    worker.join()
+    view = made[0]
+    marked = [line for line in cudart.log() if line.startswith("cudaEventRecord(") and line.endswith(", 2)")]
+    event = marked[-1][len("cudaEventRecord("):].split(",")[0]
+    cudart.clear_log()
+    capsule = view.__dlpack__(stream=2, copy=True, max_version=(1, 0))
+    log = cudart.log()
+    first_copy = next(i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync")))
+    assert f"cudaStreamWaitEvent(2, {event}, 0)" in log[:first_copy], log
+    del capsule
+
+
+def test_a_per_thread_stream_view_made_during_its_capture_is_refused_on_another_thread(cudart, host_accessible):
+    """While the making thread's per-thread stream captures, no event can mark the data ready (it would be a node
+    of the graph): another thread, which cannot name that stream, is refused a host read or a re-export."""
+    capture = cudart.begin_capture(2, 0)
+    view = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=None)), stream=2)
+    assert cudart.end_capture(capture)
+    errors = []
+
+    def use():
+        for use in (lambda: np.asarray(view), lambda: view.__dlpack__(stream=1, max_version=(1, 0))):
+            try:
+                use()
+            except BufferError as error:
+                errors.append(str(error))
+
+    other = threading.Thread(target=use)
+    other.start()
+    other.join()
+    assert len(errors) == 2 and all("made with stream=2 on another thread" in error for error in errors), errors
+
+
+@pytest.mark.parametrize("call", ["cudaEventCreateWithFlags", "cudaEventRecord"])
+def test_a_per_thread_stream_view_whose_event_cannot_be_made_is_not_made(cudart, host_accessible, call):
+    cudart.fail(call, 2)
+    with pytest.raises(CudaError, match=call):
+        dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=None)), stream=2)
+
+
+def _view_made_on_a_worker_for_its_per_thread_stream(cudart):
+    device = np.arange(24, dtype=np.float32)
+    register(cudart, device, DEVICE, 0)
+    producer = DLPackShim(CaiArray(device, stream=None))
+    made = []
+    worker = threading.Thread(target=lambda: made.append(dlpack2cai(producer, stream=2)))
+    worker.start()
+    worker.join()
+    marked = [line for line in cudart.log() if line.startswith("cudaEventRecord(") and line.endswith(", 2)")]
+    return made[0], marked[-1][len("cudaEventRecord("):].split(",")[0]
+
+
+def test_a_per_thread_stream_view_re_exported_into_this_threads_capture_joins_it_by_an_external_wait(cudart):
+    """This thread's per-thread stream captures: the wait for the view's event (recorded before, outside any
+    capture) is an external one, a node of the graph that waits at each launch; the capture stays whole."""
+    view, event = _view_made_on_a_worker_for_its_per_thread_stream(cudart)
+    capture = cudart.begin_capture(2, 0)
+    cudart.clear_log()
+    view.__dlpack__(stream=2, max_version=(1, 0))
+    assert f"cudaStreamWaitEvent(2, {event}, 1)" in cudart.log()
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+
+
+def test_a_failed_wait_for_a_per_thread_stream_views_event_is_raised(cudart):
+    view, _ = _view_made_on_a_worker_for_its_per_thread_stream(cudart)
+    cudart.fail("cudaStreamWaitEvent", 400)
+    with pytest.raises(CudaError, match="cudaStreamWaitEvent"):
+        view.__dlpack__(stream=2, max_version=(1, 0))
+
+
+def test_a_failed_host_wait_for_a_per_thread_stream_views_event_is_raised_and_tried_again(cudart, host_accessible):
+    view = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)), stream=2)
+    cudart.fail("cudaEventSynchronize", 700)
+    with pytest.raises(CudaError, match="cudaEventSynchronize"):
+        view.__array_interface__
+    cudart.clear_log()
+    np.asarray(view)  # not marked ready by the failed wait: the next read waits again
+    assert len(host_syncs(cudart)) == 1
