@@ -1,4 +1,5 @@
 """Test setup: builds the CUDA runtime test double and points cai_dlpack at it, before any CUDA use."""
+import gc
 import os
 
 import pytest
@@ -14,6 +15,9 @@ _DOUBLE = cuda_double.CudaDouble(_DOUBLE_PATH)
 def cudart(request):
     """The CUDA runtime double, reset: 4 devices, device 0 current, no regions, empty log (in late mode with
     --late-double: device work runs only when something waits for it)."""
+    # What earlier tests left in reference cycles is collected first: a deleter run later by the collector would
+    # make its runtime calls inside this test (and take a failure this test injects).
+    gc.collect()
     _DOUBLE.reset()
     if request.config.getoption("--late-double"):
         _DOUBLE.late = True
