@@ -100,19 +100,29 @@ PyThreadState *cdl_attached_thread_state(void)
     return cdl_current_thread_state();
 }
 
+#define CDL_LEFT_BEHIND_NOTE                                                                                   \
+    "cai_dlpack: a DLPack tensor made in subinterpreter %lld was released on a thread not running it; its "   \
+    "Python objects are left behind (never freed): release it in its own interpreter"
+
 /* Says (as unraisable, under whichever interpreter this thread can write in) that objects of interpreter
  * owner were left behind: a release on a thread not running owner, which is not the main interpreter. */
 static void cdl_note_left_behind(PyThreadState *current, PyInterpreterState *owner)
 {
+    long long id = (long long)PyInterpreterState_GetID(owner);
+#if PY_VERSION_HEX < 0x030C0000
+    /* No state of this thread's is known to be attached, yet it may hold the GIL (under a legacy
+     * subinterpreter's state): taking it could wait forever, so the note goes to stderr as it is. */
+    if (current == NULL) {
+        fprintf(stderr, CDL_LEFT_BEHIND_NOTE "\n", id);
+        return;
+    }
+#endif
     PyGILState_STATE state = PyGILState_UNLOCKED;
     if (current == NULL)
         state = PyGILState_Ensure();
     cdl_pending_error pending;
     cdl_error_stash(&pending);
-    PyErr_Format(PyExc_RuntimeError,
-                 "cai_dlpack: a DLPack tensor made in subinterpreter %lld was released on a thread not running "
-                 "it; its Python objects are left behind (never freed): release it in its own interpreter",
-                 (long long)PyInterpreterState_GetID(owner));
+    PyErr_Format(PyExc_RuntimeError, CDL_LEFT_BEHIND_NOTE, id);
     PyErr_WriteUnraisable(NULL);
     cdl_error_unstash(&pending);
     if (current == NULL)
