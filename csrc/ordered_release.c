@@ -139,8 +139,8 @@ int cdl_interpreter_enter(PyInterpreterState *owner, cdl_interpreter_scope *scop
     PyThreadState *current = cdl_current_thread_state();
     if (current != NULL && PyThreadState_GetInterpreter(current) == owner)
         return 1; /* the common case: a capsule or view dying in its own interpreter */
-    /* Any other interpreter's: whether it is still alive cannot be asked (no API says), so nothing of it is
-     * touched. Only the main interpreter loads this module as well as legacy subinterpreters do. */
+    /* A subinterpreter's (this single-phase module loads only there and in the main one): whether it still
+     * lives cannot be asked (no API says), so nothing of it is touched from a thread not running it. */
     if (owner != PyInterpreterState_Main()) {
         cdl_note_left_behind(current, owner);
         return 0;
