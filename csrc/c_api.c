@@ -202,8 +202,12 @@ static int cdl_array_from_exchange_api(PyObject *obj, cdl_array *arr, const DLPa
     return usable <= 0 ? usable : 1;
 }
 
-static int cdl_api_fill_tensor(PyObject *obj, int64_t consumer_stream, DLTensor *out, int64_t *shape,
-                               int64_t *strides, int capacity, int *read_only)
+static int cdl_refuse_read_only_dltensor(PyObject *obj);
+
+/* fill_tensor; with refuse_read_only (the exchange API's DLTensor, which cannot say read-only), read-only
+ * memory is refused before any stream is ordered for a tensor that will not be lent. */
+static int cdl_fill_tensor(PyObject *obj, int64_t consumer_stream, DLTensor *out, int64_t *shape,
+                           int64_t *strides, int capacity, int *read_only, int refuse_read_only)
 {
     if (cdl_check_consumer_stream(consumer_stream) < 0)
         return -1;
@@ -222,6 +226,8 @@ static int cdl_api_fill_tensor(PyObject *obj, int64_t consumer_stream, DLTensor 
                      (int)arr.ndim, capacity);
         return -1;
     }
+    if (refuse_read_only && arr.read_only)
+        return cdl_refuse_read_only_dltensor(obj);
     if ((taken ? cdl_order_exchange_producer(api, obj, &arr, consumer_stream) : cdl_order_streams(&arr, consumer_stream)) < 0)
         return -1;
     memcpy(shape, arr.shape, (size_t)arr.ndim * sizeof(int64_t));
@@ -236,6 +242,12 @@ static int cdl_api_fill_tensor(PyObject *obj, int64_t consumer_stream, DLTensor 
     if (read_only != NULL)
         *read_only = arr.read_only;
     return 0;
+}
+
+static int cdl_api_fill_tensor(PyObject *obj, int64_t consumer_stream, DLTensor *out, int64_t *shape,
+                               int64_t *strides, int capacity, int *read_only)
+{
+    return cdl_fill_tensor(obj, consumer_stream, out, shape, strides, capacity, read_only, 0);
 }
 
 static PyObject *cdl_api_view_from_managed_tensor(DLManagedTensorVersioned *managed, int64_t stream)
@@ -323,10 +335,7 @@ static int cdl_exchange_dltensor_from_object(void *py_object, DLTensor *out)
             dims = expected;
         }
     }
-    int read_only = 0;
-    if (cdl_api_fill_tensor(obj, CDL_STREAM_LEGACY, out, dims, dims + CDL_MAX_NDIM, CDL_MAX_NDIM, &read_only) < 0)
-        return -1;
-    return read_only ? cdl_refuse_read_only_dltensor(obj) : 0;
+    return cdl_fill_tensor(obj, CDL_STREAM_LEGACY, out, dims, dims + CDL_MAX_NDIM, CDL_MAX_NDIM, NULL, 1);
 }
 
 static int cdl_exchange_to_object(DLManagedTensorVersioned *tensor, void **out_py_object)

@@ -364,6 +364,19 @@ void cdl_release_objects_after(const cdl_release_point *point, PyObject *a, PyOb
 /* The calling thread's attached thread state, or NULL (none, or the interpreter finalizes): one that holds
  * the GIL detaches around a wait (PyEval_SaveThread / PyEval_RestoreThread). */
 PyThreadState *cdl_attached_thread_state(void);
+/* Python objects of one interpreter released from any thread: its GIL taken (the calling thread's state in
+ * another interpreter detached meanwhile) unless this thread already runs it. */
+typedef struct {
+    PyThreadState *detached; /* the calling thread's state in another interpreter, reattached at the end */
+    PyThreadState *made;     /* a state of the main interpreter made for the release, deleted at the end */
+    PyGILState_STATE gil;
+    int ensured;             /* gil came from PyGILState_Ensure */
+} cdl_interpreter_scope;
+/* 1 with owner (PyInterpreterState_Get() when the objects were taken) entered: its objects may be released,
+ * then cdl_interpreter_leave. 0 where they must be left behind: the interpreter is gone or finalizing, or
+ * owner is a subinterpreter this thread is not running (written as unraisable). Any thread. */
+int cdl_interpreter_enter(PyInterpreterState *owner, cdl_interpreter_scope *scope);
+void cdl_interpreter_leave(cdl_interpreter_scope *scope);
 /* Makes the releases whose events have completed, oldest first; never waits. Any thread. */
 void cdl_release_completed(void);
 /* Registers the bounded wait at interpreter exit. 0 or -1. */

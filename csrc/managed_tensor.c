@@ -54,6 +54,8 @@ typedef struct {
      * consumer stream's order (cudaFreeAsync), so the block waits for no event. */
     cdl_release_point release_at;
     int data_stream_ordered;
+    /* The interpreter whose objects (owner, keepalive) and allocator (the block) these are. */
+    PyInterpreterState *interpreter;
     int64_t dims[];
 } cdl_export_block;
 
@@ -78,36 +80,18 @@ static void cdl_free_block(cdl_export_block *block)
     PyMem_Free(block);
 }
 
-/* Whether the calling thread holds the GIL (on a free-threaded build: has an attached thread state).
- * PyGILState_Check cannot say: CPython switches it off (it answers 1 everywhere) once any subinterpreter has
- * been made. The current thread state can: before 3.12 it is the process's (the GIL holder's, whichever
- * thread that is), from 3.12 the calling thread's while attached, so it must exist and be this thread's. */
-static int cdl_thread_holds_gil(void)
-{
-#if PY_VERSION_HEX >= 0x030D0000
-    PyThreadState *state = PyThreadState_GetUnchecked();
-#else
-    PyThreadState *state = _PyThreadState_UncheckedGet();
-#endif
-    return state != NULL && state->thread_id == PyThread_get_thread_ident();
-}
-
-/* Runs on any thread, with or without the GIL, possibly during interpreter shutdown. */
+/* Runs on any thread, with or without the GIL (or with another interpreter's), possibly during interpreter
+ * shutdown. The block is freed in its own interpreter: another's allocator would abort on it. */
 static void cdl_release_block(cdl_export_block *block)
 {
-    if (Py_IsInitialized() && !cdl_interpreter_finalizing()) {
-        if (cdl_thread_holds_gil()) {
-            cdl_free_block(block); /* the common case: a capsule or view dying under the GIL */
-        }
-        else {
-            PyGILState_STATE state = PyGILState_Ensure();
-            cdl_free_block(block);
-            PyGILState_Release(state);
-        }
+    cdl_interpreter_scope scope;
+    if (cdl_interpreter_enter(block->interpreter, &scope)) {
+        cdl_free_block(block);
+        cdl_interpreter_leave(&scope);
     }
-    /* Otherwise the interpreter is gone or going: its objects and its allocator must not be touched, so
-     * the block and its references are left behind with it (the process is ending). Owned data is freed
-     * all the same: its release touches no Python state. */
+    /* Otherwise the interpreter is gone, going, or cannot be entered from here: its objects and its allocator
+     * must not be touched, so the block and its references are left behind with it. Owned data is freed all
+     * the same: its release touches no Python state. */
     else if (block->release_data != NULL) {
         block->release_data(block->owned_data, block->owned_device, cdl_data_stream(block));
     }
@@ -144,27 +128,33 @@ void cdl_capsule_order_release(PyObject *capsule, const cdl_release_point *at, i
     cdl_managed_order_release(managed, at, data_stream_ordered);
 }
 
-/* A foreign tensor a view held, deleted once its consumer's work has run (the copy of the handle is ours). */
+/* A foreign tensor a view held, deleted once its consumer's work has run, in the view's interpreter. */
+typedef struct {
+    cdl_managed managed; /* the copy of the handle is ours */
+    PyInterpreterState *interpreter;
+} cdl_managed_later;
+
 static void cdl_managed_delete_now(void *argument)
 {
-    cdl_managed *managed = argument;
-    if (Py_IsInitialized() && !cdl_interpreter_finalizing()) {
-        PyGILState_STATE state = PyGILState_Ensure();
-        cdl_managed_delete(managed);
-        PyGILState_Release(state);
+    cdl_managed_later *later = argument;
+    cdl_interpreter_scope scope;
+    if (cdl_interpreter_enter(later->interpreter, &scope)) {
+        cdl_managed_delete(&later->managed);
+        cdl_interpreter_leave(&scope);
     }
     /* Else the producer's deleter is not called: it may need the interpreter that is going. */
-    free(managed);
+    free(later);
 }
 
 void cdl_managed_delete_after(cdl_managed *managed, const cdl_release_point *at)
 {
-    cdl_managed *later = at->stream != 0 ? malloc(sizeof(cdl_managed)) : NULL;
+    cdl_managed_later *later = at->stream != 0 ? malloc(sizeof(cdl_managed_later)) : NULL;
     if (later == NULL) {
         cdl_managed_delete(managed);
         return;
     }
-    *later = *managed;
+    later->managed = *managed;
+    later->interpreter = PyInterpreterState_Get();
     managed->pointer = NULL;
     cdl_release_after(at, cdl_managed_delete_now, later);
 }
@@ -212,6 +202,7 @@ cdl_managed cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObje
     block->release_data = NULL;
     block->release_at.stream = 0;
     block->data_stream_ordered = 0;
+    block->interpreter = PyInterpreterState_Get();
     return managed;
 }
 

@@ -71,6 +71,24 @@ static void cdl_give_event(const cdl_cudart *rt, unsigned long long key, cudaEve
 /* How long interpreter exit waits, at most, for pending releases' events. */
 #define CDL_EXIT_WAIT_NS 2000000000LL
 
+/* The thread state attached to the calling thread, or NULL. From 3.12 the current thread state is the calling
+ * thread's own (thread-local): one that is there is attached here, wherever it was made. Before, it is the
+ * process's, the GIL holder's on whichever thread: it is this thread's only if it is the state the GIL-state
+ * API keeps for this thread. Pointers are compared, never followed: another thread's state may be freed
+ * meanwhile. (So before 3.12 a thread holding the GIL under a state the GIL-state API did not give it, a
+ * legacy subinterpreter's or one made on another thread, counts as holding none: the README, "Lifetime".) */
+static PyThreadState *cdl_current_thread_state(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyThreadState_GetUnchecked();
+#elif PY_VERSION_HEX >= 0x030C0000
+    return _PyThreadState_UncheckedGet();
+#else
+    PyThreadState *current = _PyThreadState_UncheckedGet();
+    return current != NULL && current == PyGILState_GetThisThreadState() ? current : NULL;
+#endif
+}
+
 /* The thread state attached to the calling thread, or NULL: a thread that holds the GIL detaches around a
  * wait for the device, so a host function that needs the GIL cannot deadlock against it. */
 PyThreadState *cdl_attached_thread_state(void)
@@ -79,11 +97,82 @@ PyThreadState *cdl_attached_thread_state(void)
      * stopped): it waits holding it. */
     if (!Py_IsInitialized() || cdl_interpreter_finalizing())
         return NULL;
-#if PY_VERSION_HEX >= 0x030D0000
-    return PyThreadState_GetUnchecked();
-#else
-    return _PyThreadState_UncheckedGet();
+    return cdl_current_thread_state();
+}
+
+#define CDL_LEFT_BEHIND_NOTE                                                                                   \
+    "cai_dlpack: a DLPack tensor made in subinterpreter %lld was released on a thread not running it; its "   \
+    "Python objects are left behind (never freed): release it in its own interpreter"
+
+/* Says (as unraisable, under whichever interpreter this thread can write in) that objects of interpreter
+ * owner were left behind: a release on a thread not running owner, which is not the main interpreter. */
+static void cdl_note_left_behind(PyThreadState *current, PyInterpreterState *owner)
+{
+    long long id = (long long)PyInterpreterState_GetID(owner);
+#if PY_VERSION_HEX < 0x030C0000
+    /* No state of this thread's is known to be attached, yet it may hold the GIL (under a legacy
+     * subinterpreter's state): taking it could wait forever, so the note goes to stderr as it is. */
+    if (current == NULL) {
+        fprintf(stderr, CDL_LEFT_BEHIND_NOTE "\n", id);
+        return;
+    }
 #endif
+    PyGILState_STATE state = PyGILState_UNLOCKED;
+    if (current == NULL)
+        state = PyGILState_Ensure();
+    cdl_pending_error pending;
+    cdl_error_stash(&pending);
+    PyErr_Format(PyExc_RuntimeError, CDL_LEFT_BEHIND_NOTE, id);
+    PyErr_WriteUnraisable(NULL);
+    cdl_error_unstash(&pending);
+    if (current == NULL)
+        PyGILState_Release(state);
+}
+
+int cdl_interpreter_enter(PyInterpreterState *owner, cdl_interpreter_scope *scope)
+{
+    scope->detached = NULL;
+    scope->made = NULL;
+    scope->ensured = 0;
+    if (!Py_IsInitialized() || cdl_interpreter_finalizing())
+        return 0;
+    PyThreadState *current = cdl_current_thread_state();
+    if (current != NULL && PyThreadState_GetInterpreter(current) == owner)
+        return 1; /* the common case: a capsule or view dying in its own interpreter */
+    /* A subinterpreter's (this single-phase module loads only there and in the main one): whether it still
+     * lives cannot be asked (no API says), so nothing of it is touched from a thread not running it. */
+    if (owner != PyInterpreterState_Main()) {
+        cdl_note_left_behind(current, owner);
+        return 0;
+    }
+    /* Attached to another interpreter (its own GIL and allocator from 3.12): detached meanwhile. */
+    if (current != NULL)
+        scope->detached = PyEval_SaveThread();
+    /* The GIL-state API's state for this thread belongs to the interpreter that first ran on it: the main
+     * one's is taken (or made) by PyGILState_Ensure; a thread a subinterpreter started gets a state of
+     * the main interpreter for the release, made and deleted here. */
+    PyThreadState *own = PyGILState_GetThisThreadState();
+    if (own == NULL || PyThreadState_GetInterpreter(own) == owner) {
+        scope->gil = PyGILState_Ensure();
+        scope->ensured = 1;
+    }
+    else {
+        scope->made = PyThreadState_New(owner);
+        PyEval_RestoreThread(scope->made);
+    }
+    return 1;
+}
+
+void cdl_interpreter_leave(cdl_interpreter_scope *scope)
+{
+    if (scope->ensured)
+        PyGILState_Release(scope->gil);
+    if (scope->made != NULL) {
+        PyThreadState_Clear(scope->made);
+        PyThreadState_DeleteCurrent();
+    }
+    if (scope->detached != NULL)
+        PyEval_RestoreThread(scope->detached);
 }
 
 void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl_array *arr)
@@ -289,19 +378,20 @@ void cdl_release_completed(void)
     }
 }
 
-/* Two references released together, with the GIL taken (any thread); left to a finalizing interpreter. */
+/* Two references released together, in their interpreter (any thread); left to a finalizing interpreter. */
 typedef struct {
     PyObject *a, *b;
+    PyInterpreterState *interpreter;
 } cdl_object_pair;
 
 static void cdl_release_pair(void *argument)
 {
     cdl_object_pair *pair = argument;
-    if (Py_IsInitialized() && !cdl_interpreter_finalizing()) {
-        PyGILState_STATE state = PyGILState_Ensure();
+    cdl_interpreter_scope scope;
+    if (cdl_interpreter_enter(pair->interpreter, &scope)) {
         Py_XDECREF(pair->a);
         Py_XDECREF(pair->b);
-        PyGILState_Release(state);
+        cdl_interpreter_leave(&scope);
     }
     free(pair);
 }
@@ -315,6 +405,7 @@ void cdl_release_objects_after(const cdl_release_point *point, PyObject *a, PyOb
         return; /* nothing held: the source lives as long as its producer keeps it, as before */
     pair->a = Py_XNewRef(a);
     pair->b = Py_XNewRef(b);
+    pair->interpreter = PyInterpreterState_Get();
     cdl_release_after(point, cdl_release_pair, pair);
 }
 

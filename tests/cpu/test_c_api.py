@@ -224,6 +224,20 @@ def test_exchange_dltensor_refuses_read_only_memory(example):
     assert example.exchange_dltensor(DLPackShim(writable))["data"] == writable.ctypes.data
 
 
+def test_exchange_dltensor_refusal_of_read_only_memory_orders_no_streams(cudart):
+    """dltensor_from_py_object_no_sync refuses read-only memory before ordering the producer's stream before the
+    legacy default stream: a tensor it never lends needs no event recorded on S1 nor a wait queued."""
+    host = np.arange(8, dtype=np.float32)
+    register(cudart, host, DEVICE, device=0)
+    cudart.add_stream(S1, 0)
+    shim = DLPackShim(CaiArray(host, stream=S1, read_only=True))
+    cudart.clear_log()
+    with pytest.raises(BufferError, match="read-only"):
+        doors.dltensor_from_object(shim)
+    ordering = [line for line in cudart.log() if line.startswith(("cudaEventRecord", "cudaStreamWaitEvent"))]
+    assert ordering == []
+
+
 def test_exchange_allocator(cudart, example):
     host_view = example.exchange_allocate(DLPackShim, (2, 32), (2, 3), (1, 0))
     a = np.asarray(host_view)

@@ -224,6 +224,89 @@ def test_deleter_takes_the_gil_on_a_bare_thread_after_a_subinterpreter_exists():
     assert result.stdout.split() == ["released"]
 
 
+# A script's prologue: a tensor of the main interpreter whose owner is watched, consumed (the deleter's address
+# and the tensor's in `deleter`, `address`).
+CONSUMED_TENSOR = """
+import ctypes, os, sys, weakref
+sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
+from cai_dlpack import cai2dlpack
+api = ctypes.pythonapi
+api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+def consumed_tensor(size):
+    buf = (ctypes.c_double * size)()
+    class HostOwner:
+        __array_interface__ = {"shape": (size,), "typestr": "<f8", "data": (ctypes.addressof(buf), False),
+                               "version": 3}
+    owner = HostOwner()
+    capsule = cai2dlpack(owner, max_version=(1, 0))
+    address = api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+    assert api.PyCapsule_SetName(capsule, b"used_dltensor_versioned") == 0   # a consumer owns it now
+    deleter = ctypes.c_void_p.from_address(address + 16).value               # DLManagedTensorVersioned.deleter
+    return weakref.ref(owner), deleter, address
+"""
+
+
+def run_script(body):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    script = CONSUMED_TENSOR + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 13), reason="isolated interpreters that can import ctypes: 3.13+")
+def test_deleter_called_from_an_isolated_subinterpreter_frees_in_the_owners_interpreter():
+    """A C consumer holding a tensor of the main interpreter drops it from a thread running an isolated
+    subinterpreter (its own GIL and allocator): on the thread that runs it (whose GIL-state API state is the
+    main interpreter's) and on a thread the subinterpreter started (whose state is the subinterpreter's). Freed
+    there, the owner and the block would go to the subinterpreter's allocator: the process aborts ("free():
+    invalid pointer"). The deleter frees them in the main interpreter, and the subinterpreter runs on after."""
+    result = run_script("""
+        import _interpreters as interpreters
+        first, second = consumed_tensor(4096), consumed_tensor(4096)
+        interp = interpreters.create()                                            # isolated: its own GIL
+        call = "ctypes.CFUNCTYPE(None, ctypes.c_void_p)({})({})"
+        error = interpreters.exec(interp, f"import ctypes; {call.format(first[1], first[2])}; print('after', flush=True)")
+        assert error is None, error
+        error = interpreters.exec(interp, "import ctypes, threading; "
+                                  f"t = threading.Thread(target=lambda: {call.format(second[1], second[2])}); "
+                                  "t.start(); t.join(); print('after', flush=True)")
+        assert error is None, error
+        interpreters.destroy(interp)
+        print("released" if first[0]() is None else "kept", "released" if second[0]() is None else "kept")
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["after", "after", "released", "released"]
+
+
+def test_deleter_of_a_subinterpreters_tensor_called_outside_it_leaves_it_behind_and_says_so():
+    """A tensor made in a (legacy) subinterpreter, dropped by a consumer in the main interpreter: whether its
+    interpreter still lives cannot be asked, so its objects are left behind (never freed in an interpreter not
+    theirs), with an unraisable note naming the subinterpreter."""
+    result = run_script("""
+        try:                                                       # shares the main GIL: this module loads there
+            import _interpreters as interpreters                   # 3.13+
+            interp = interpreters.create("legacy")
+            run = lambda code: interpreters.exec(interp, code)
+        except ImportError:
+            import _xxsubinterpreters as interpreters              # 3.11, 3.12
+            interp = interpreters.create(**({"isolated": False} if sys.version_info >= (3, 12) else {}))
+            run = lambda code: interpreters.run_string(interp, code)
+        read, write = os.pipe()
+        error = run(CONSUMED_TENSOR_SOURCE + f"tensor = consumed_tensor(16); os.write({write}, repr(tensor[1:]).encode())")
+        assert error is None, error
+        deleter, address = eval(os.read(read, 100))
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(deleter)(address)
+        error = run("print('released' if tensor[0]() is None else 'kept', flush=True)")
+        assert error is None, error
+    """.replace("CONSUMED_TENSOR_SOURCE", repr(CONSUMED_TENSOR)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["kept"]
+    assert "a DLPack tensor made in subinterpreter" in result.stderr
+    assert "its Python objects are left behind" in result.stderr
+
+
 # ---- leaks ------------------------------------------------------------------------------------------
 
 FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
