@@ -480,6 +480,48 @@ def test_device_copy_into_a_capture(cudart):
     assert cudart.violations == 0 and cudart.end_capture(capture)
 
 
+def legacy_stream_used(log):
+    return [line for line in log if line.startswith(("cudaMalloc", "cudaMemcpy", "cudaEventRecord",
+                                                      "cudaStreamWaitEvent"))]
+
+
+@pytest.mark.parametrize("producer, consumer", [(None, None), (1, None), (1, 1), (None, -1), (1, -1)])
+def test_device_copy_on_the_legacy_stream_refused_while_a_blocking_stream_captures(cudart, producer, consumer):
+    # The copies go onto the data's device's legacy stream (the consumer's, or for -1 the producer's, which is
+    # the legacy one where it gave none): while a blocking stream of that device captures, any use of it would
+    # invalidate the capture. Refused before any allocation, copy or ordering call.
+    source, obj = device_source(cudart, "strided", stream=producer)
+    capture = cudart.begin_capture(S2, blocking=True)
+    cudart.clear_log()
+    with pytest.raises(CudaError, match="copy=True would copy on the legacy default stream") as raised:
+        DLPackShim(obj).__dlpack__(stream=consumer, copy=True, max_version=(1, 0))
+    assert (raised.value.code, raised.value.call) == (906, "cudaMemcpyAsync")
+    assert legacy_stream_used(cudart.log()) == []
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+
+
+@pytest.mark.parametrize("capture_device, refused", [(1, True), (0, False)])
+@pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
+def test_pinned_copy_on_the_callers_legacy_stream_refused_while_its_device_captures(cudart, kind, capture_device,
+                                                                                       refused):
+    # Pinned or managed memory of device 0 copied for the legacy stream while device 1 is current: the copies go
+    # onto device 1's legacy stream, the one a blocking capture on device 1 forbids (one on device 0 does not).
+    source, obj = device_source(cudart, "strided", kind=kind, stream=None)
+    cudart.current_device = 1
+    capture = cudart.begin_capture(S2, device=capture_device, blocking=True)
+    cudart.clear_log()
+    if refused:
+        with pytest.raises(CudaError, match="copy=True would copy on the legacy default stream") as raised:
+            DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))
+        assert raised.value.code == 906 and legacy_stream_used(cudart.log()) == []
+    else:
+        capsule = DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))
+        np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+        del capsule
+    assert cudart.current_device == 1
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+
+
 # ---- what a copy says of itself ----------------------------------------------------------------------------
 
 

@@ -170,6 +170,29 @@ def test_device_memory_with_a_stream_handle_records_in_its_context(cudart):
     assert not any("error" in call for call in cudart.log())
 
 
+@pytest.mark.parametrize("copy", [None, True])
+@pytest.mark.parametrize("consumer", [None, 1, 2])
+def test_device_memory_default_consumer_stream_is_the_datas_devices(cudart, consumer, copy):
+    """Device memory of device 0 produced on a stream of device 1 (CuPy's current stream while device 1 was
+    current): the consumer's legacy or per-thread stream is the data's device's (the array API's), so the event is
+    recorded in the producer stream's context and waited on in device 0's, where a copy then runs after it."""
+    host = np.arange(4, dtype=np.float32)
+    register(cudart, host, DEVICE, device=0)
+    cudart.add_stream(S1, 1)
+    cudart.log_context()
+    cudart.clear_log()
+    capsule = DLPackShim(CaiArray(host, stream=S1)).__dlpack__(stream=consumer, copy=copy, max_version=(1, 0))
+    log = cudart.log()
+    handle = consumer or 1
+    record = [i for i, line in enumerate(log) if line.startswith("cudaEventRecord") and f", {S1}) @ctx1" in line]
+    wait = [i for i, line in enumerate(log) if line.startswith(f"cudaStreamWaitEvent({handle}, ")]
+    assert record and wait and record[0] < wait[0] and all(log[i].endswith("@ctx0") for i in wait), log
+    copies = [i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync"))]
+    assert bool(copies) == bool(copy) and all(wait[0] < i and log[i].endswith(f", {handle}) @ctx0") for i in copies)
+    assert cudart.context_device == 0
+    del capsule
+
+
 @pytest.fixture
 def pooled(cudart):
     """A device-2 producer whose pooled event exists (converted once)."""

@@ -17,7 +17,7 @@ import pytest
 from cai_dlpack import DLPackShim, _core, cai2dlpack, dlpack2cai
 from support import doors
 from support.cai_objects import CaiArray, register
-from support.cuda_double import DEVICE, GLOBAL
+from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST
 from support.dlpack_ctypes import DLManagedTensor, DLManagedTensorVersioned, _api
 
 S1, S2 = 0x5000, 0x6000  # the producer's stream, the consumer's
@@ -312,6 +312,27 @@ def test_device_copy_memory_is_freed_in_the_consumers_stream_order(late):
     assert f"cudaFreeAsync({S2})" in late.log() and "cudaFree()" not in late.log()
     late.run_stream(S2)
     np.testing.assert_array_equal(seen[0], ORIGINAL)
+
+
+@pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
+def test_pinned_copy_for_the_callers_stream_is_released_after_that_stream(cudart, kind):
+    """Pinned or managed memory of device 0 copied for the legacy stream while device 1 is current: the copies ran
+    on device 1's legacy stream, so the copy's memory is released after that stream (its event recorded there, in
+    device 1's context), not after device 0's."""
+    host = np.arange(N, dtype=np.float32)
+    register(cudart, host, kind, device=0)
+    cudart.current_device = 1
+    cudart.late = True
+    try:
+        copy, drop = consume(DLPackShim(CaiArray(host)).__dlpack__(copy=True, max_version=(1, 0)))
+        cudart.log_context()
+        cudart.clear_log()
+        drop()
+        records = [line for line in cudart.log() if line.startswith("cudaEventRecord")]
+        assert records and all(line.endswith(", 1) @ctx1") for line in records), cudart.log()
+        drain(cudart)
+    finally:
+        cudart.late = False
 
 
 # ---- interpreter exit ---------------------------------------------------------------------------------------
