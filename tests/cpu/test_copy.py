@@ -440,6 +440,18 @@ def test_failed_allocation_raises(cudart):
         DLPackShim(obj).__dlpack__(copy=True)
 
 
+@pytest.mark.parametrize("kind", [DEVICE, PINNED_HOST])
+def test_failed_legacy_stream_capture_query_raises(cudart, kind):
+    # Whether the legacy stream can take the copies is asked first: a failed query is a CudaError, nothing made.
+    source, obj = device_source(cudart, "contiguous", kind=kind, stream=None)
+    cudart.clear_log()
+    cudart.fail("cudaStreamGetCaptureInfo", 400)
+    with pytest.raises(CudaError, match="cudaStreamGetCaptureInfo failed: cudaErrorInvalidResourceHandle"):
+        DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))
+    assert not any(line.startswith(("cudaMalloc", "cudaMemcpy")) for line in cudart.log())
+    assert cudart.last_error == 0
+
+
 @pytest.mark.parametrize("call", ["cudaMemcpyAsync", "cudaStreamSynchronize"])
 def test_failed_host_copy_raises(cudart, call):
     source, obj = device_source(cudart, "contiguous")
