@@ -366,18 +366,20 @@ static int cdl_allocate_like(const cdl_cudart *rt, DLDevice device, size_t size,
     return code == cudaSuccess ? 0 : cdl_raise_cuda_error(call, code);
 }
 
-/* After the copies queued on stream: the producer's stream waits for them (an event, as stream ordering makes
- * one; nothing when the producer gave no stream, or copied on its own), and owner and keepalive are released
- * once they have run. 0, or -1 with an exception (the copies are queued all the same). */
-static int cdl_keep_source_until_copied(const cdl_array *arr, int64_t stream, PyObject *owner, PyObject *keepalive)
+/* After the copies queued on stream (at: its release point; copies_device: the device whose context they were
+ * issued in, whose default stream a legacy or per-thread handle names): the producer's stream waits for them (an
+ * event, as stream ordering makes one; nothing when the producer gave no stream, or copied on its own), and
+ * owner and keepalive are released once they have run. 0, or -1 with an exception (the copies are queued all
+ * the same). */
+static int cdl_keep_source_until_copied(const cdl_array *arr, int64_t stream, int copies_device,
+                                        const cdl_release_point *at, PyObject *owner, PyObject *keepalive)
 {
-    cdl_release_point point;
-    cdl_release_point_set(&point, stream, arr);
-    cdl_release_objects_after(&point, owner, keepalive);
+    cdl_release_objects_after(at, owner, keepalive);
     if (arr->stream == 0 || arr->stream == stream || !cdl_option_sync)
         return 0;
     cdl_array copied = *arr;
     copied.stream = stream;
+    copied.home_device = copies_device;
     return cdl_order_streams(&copied, arr->stream);
 }
 
@@ -445,6 +447,10 @@ static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layou
      * producer's stream that stream=-1 copies on. */
     int in_callers_context = arr->device.device_type != kDLCUDA &&
                              (consumer == CDL_STREAM_LEGACY || consumer == CDL_STREAM_PER_THREAD);
+    int copies_device = arr->home_device;
+    cudaError_t asked = in_callers_context && count > 0 ? rt->get_device(&copies_device) : cudaSuccess;
+    if (asked != cudaSuccess)
+        return cdl_raise_cuda_error("cudaGetDevice", asked);
     int on_legacy_stream = count > 0 && (int64_t)(intptr_t)stream == CDL_STREAM_LEGACY;
     if (on_legacy_stream && in_callers_context && cdl_refuse_unusable_legacy_stream(rt) < 0)
         return -1;
@@ -487,7 +493,8 @@ static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layou
         cdl_raise_cuda_error(failed, code);
         goto fail;
     }
-    if (outside_capture && cdl_keep_source_until_copied(arr, (int64_t)(intptr_t)stream, owner, keepalive) < 0)
+    if (outside_capture &&
+        cdl_keep_source_until_copied(arr, (int64_t)(intptr_t)stream, copies_device, release_at, owner, keepalive) < 0)
         goto fail; /* freed in the stream's order: after the copies queued */
     return 0;
 fail:

@@ -452,6 +452,24 @@ def test_failed_legacy_stream_capture_query_raises(cudart, kind):
     assert cudart.last_error == 0
 
 
+def test_failed_device_query_of_a_copy_for_the_callers_stream_raises(cudart):
+    # A pinned copy for the caller's legacy stream asks which device that is (the one it orders the producer's
+    # stream after): a failed query is a CudaError, nothing made.
+    source, obj = device_source(cudart, "contiguous", kind=PINNED_HOST, stream=S1)
+    cudart.current_device = 1
+    cudart.clear_log()
+    DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))
+    log = cudart.log()
+    asked = log.index("cudaDeviceGetAttribute(11, 0)") + 1  # after the pitch, before anything is made
+    assert log[asked] == "cudaGetDevice() -> 1"
+    cudart.clear_log()
+    cudart.fail("cudaGetDevice", 999, after=sum(line.startswith("cudaGetDevice") for line in log[:asked]))
+    with pytest.raises(CudaError, match="cudaGetDevice failed: cudaErrorUnknown"):
+        DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))
+    assert not any(line.startswith(("cudaMalloc", "cudaMemcpy", "cudaEventRecord")) for line in cudart.log())
+    assert cudart.last_error == 0
+
+
 @pytest.mark.parametrize("call", ["cudaMemcpyAsync", "cudaStreamSynchronize"])
 def test_failed_host_copy_raises(cudart, call):
     source, obj = device_source(cudart, "contiguous")

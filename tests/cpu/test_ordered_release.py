@@ -5,6 +5,7 @@ a queued "kernel" (a host function on the consumer's stream) reads after the pro
 import ctypes
 import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -333,6 +334,30 @@ def test_pinned_copy_for_the_callers_stream_is_released_after_that_stream(cudart
         drain(cudart)
     finally:
         cudart.late = False
+
+
+@pytest.mark.parametrize("consumer", [1, 2])
+@pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
+def test_pinned_copy_for_the_callers_stream_orders_the_producer_after_it(cudart, kind, consumer):
+    """Pinned or managed memory of device 0, made on its stream S1, copied for the legacy (per-thread) stream while
+    device 1 is current: the copies run on device 1's stream, so that is the stream whose event S1 waits on before
+    the producer's allocator may reuse the source (device 0's would not hold the copies)."""
+    host = np.arange(N, dtype=np.float32)
+    register(cudart, host, kind, device=0)
+    cudart.add_stream(S1, 0)
+    cudart.current_device = 1
+    cudart.log_context()
+    cudart.clear_log()
+    capsule = DLPackShim(CaiArray(host, stream=S1)).__dlpack__(stream=consumer, copy=True, max_version=(1, 0))
+    log = cudart.log()
+    last_copy = max(i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync")))
+    assert log[last_copy].endswith(f", {consumer}) @ctx1")
+    after = log[last_copy:]
+    wait = next(i for i, line in enumerate(after) if line.startswith(f"cudaStreamWaitEvent({S1}, "))
+    event = re.search(r", (ev\d+),", after[wait]).group(1)
+    records = [line for line in after[:wait] if line.startswith(f"cudaEventRecord({event}, ")]
+    assert records[-1:] == [f"cudaEventRecord({event}, {consumer}) @ctx1"], after  # device 1's stream, not 0's
+    del capsule
 
 
 # ---- interpreter exit ---------------------------------------------------------------------------------------
