@@ -360,6 +360,25 @@ def test_pinned_copy_for_the_callers_stream_orders_the_producer_after_it(cudart,
     del capsule
 
 
+@pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
+def test_pinned_copy_on_the_producers_legacy_stream_keeps_its_source_until_that_stream_ran(cudart, kind):
+    """stream=-1 copies pinned or managed memory on the producer's stream: its legacy stream is the allocation's
+    device's (device 0), whatever device is current, so the source is kept until device 0's legacy stream ran the
+    copies (an event recorded there, in device 0's context, not on device 1's)."""
+    host = np.arange(N, dtype=np.float32)
+    register(cudart, host, kind, device=0)
+    cudart.current_device = 1
+    cudart.log_context()
+    cudart.clear_log()
+    capsule = DLPackShim(CaiArray(host, stream=1)).__dlpack__(stream=-1, copy=True, max_version=(1, 0))
+    log = cudart.log()
+    last_copy = max(i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync")))
+    assert log[last_copy].endswith(", 1) @ctx0")
+    records = [line for line in log[last_copy:] if line.startswith("cudaEventRecord")]
+    assert records and all(line.endswith(", 1) @ctx0") for line in records), log
+    del capsule
+
+
 # ---- interpreter exit ---------------------------------------------------------------------------------------
 
 EXIT_SCRIPT = textwrap.dedent("""
