@@ -393,7 +393,7 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
     /* A producer stream handle of another device than the data's: the consumer's legacy or per-thread stream of
      * device memory is the data's device's, asked about and waited on in its context, not the producer's. The
      * producer's context is the data's device's where the caller's current one was it (nothing switched). */
-    int on_datas_device = 0;
+    int on_datas_device = 0, wait_apart = in_callers_context;
     if (producer_handle && default_consumer && device.device_type == kDLCUDA) {
         int producer_device = scope.previous_device;
         cudaError_t code = scope.switched ? rt->get_device(&producer_device) : cudaSuccess;
@@ -402,8 +402,8 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
             goto done;
         }
         on_datas_device = producer_device != arr->home_device;
+        wait_apart = on_datas_device;
     }
-    const int wait_apart = in_callers_context || on_datas_device;
     if ((on_datas_device && cdl_capture_on_device(rt, arr->home_device, consumer, &used) < 0) ||
         cdl_capture_of(rt, producer, &made) < 0 || (!wait_apart && cdl_capture_of(rt, consumer, &used) < 0) ||
         cdl_capture_plan(producer, &made, consumer, &used, &external) < 0 ||
