@@ -366,19 +366,42 @@ static int cdl_allocate_like(const cdl_cudart *rt, DLDevice device, size_t size,
     return code == cudaSuccess ? 0 : cdl_raise_cuda_error(call, code);
 }
 
-/* After the copies queued on stream: the producer's stream waits for them (an event, as stream ordering makes
- * one; nothing when the producer gave no stream, or copied on its own), and owner and keepalive are released
- * once they have run. 0, or -1 with an exception (the copies are queued all the same). */
-static int cdl_keep_source_until_copied(const cdl_array *arr, int64_t stream, PyObject *owner, PyObject *keepalive)
+/* After the copies queued on stream (at: its release point; copies_device: the device whose context they were
+ * issued in, whose default stream a legacy or per-thread handle names): the producer's stream waits for them (an
+ * event, as stream ordering makes one; nothing when the producer gave no stream, or copied on its own), and
+ * owner and keepalive are released once they have run. 0, or -1 with an exception (the copies are queued all
+ * the same). */
+static int cdl_keep_source_until_copied(const cdl_array *arr, int64_t stream, int copies_device,
+                                        const cdl_release_point *at, PyObject *owner, PyObject *keepalive)
 {
-    cdl_release_point point;
-    cdl_release_point_set(&point, stream, arr);
-    cdl_release_objects_after(&point, owner, keepalive);
+    cdl_release_objects_after(at, owner, keepalive);
     if (arr->stream == 0 || arr->stream == stream || !cdl_option_sync)
         return 0;
     cdl_array copied = *arr;
     copied.stream = stream;
+    copied.home_device = copies_device;
     return cdl_order_streams(&copied, arr->stream);
+}
+
+/* The legacy stream cannot take stream-ordered work (a copy, a cudaMallocAsync) while a blocking stream of the
+ * current context's device captures a CUDA graph: the runtime would answer cudaErrorStreamCaptureImplicit and
+ * invalidate that capture. Asked of the runtime (which answers the query itself, invalidating nothing) and
+ * refused with CudaError before any call, as a host copy and stream ordering refuse it. */
+static int cdl_refuse_unusable_legacy_stream(const cdl_cudart *rt)
+{
+    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    unsigned long long capture_id = 0;
+    cudaError_t code = cdl_stream_capture_info(rt, (cudaStream_t)(intptr_t)CDL_STREAM_LEGACY, &capture, &capture_id);
+    if (code == cudaSuccess)
+        return 0;
+    (void)rt->get_last_error(); /* our query's, not a failure of anyone's work */
+    if (code != cudaErrorStreamCaptureImplicit)
+        return cdl_raise_cuda_error("cudaStreamGetCaptureInfo", code);
+    return cdl_raise_capture_error(
+        "cudaMemcpyAsync", cudaErrorStreamCaptureImplicit,
+        "copy=True would copy on the legacy default stream (stream=None or 1, or stream=-1 where the producer gave "
+        "no stream), and a blocking stream of its device is capturing a CUDA graph: any use of the legacy stream "
+        "would invalidate that capture. Pass a stream of the capture to copy within it, or copy outside the capture");
 }
 
 /* CUDA memory to a new allocation of the same kind: ordered after the producer's stream, issued on the
@@ -416,35 +439,50 @@ static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layou
     }
     *stream_ordered = 0;
     cudaStream_t stream = consumer == CDL_STREAM_NO_SYNC ? cdl_producer_stream(arr) : (cudaStream_t)(intptr_t)consumer;
+    /* A legacy or per-thread consumer names that stream of the caller's current device. For pinned and managed
+     * memory, which every device reaches, that need not be the allocation's device: the copies go onto the
+     * consumer's stream in the caller's own context, right after the wait on the producer that
+     * cdl_order_streams put there, so they run after the producer's work and before the consumer's. For device
+     * memory those handles are the data's device's streams (the array API's), reached in its context; so is the
+     * producer's stream that stream=-1 copies on. */
+    int in_callers_context = arr->device.device_type != kDLCUDA &&
+                             (consumer == CDL_STREAM_LEGACY || consumer == CDL_STREAM_PER_THREAD);
+    int copies_device = arr->home_device;
+    cudaError_t asked = in_callers_context && count > 0 ? rt->get_device(&copies_device) : cudaSuccess;
+    if (asked != cudaSuccess)
+        return cdl_raise_cuda_error("cudaGetDevice", asked);
+    int on_legacy_stream = count > 0 && (int64_t)(intptr_t)stream == CDL_STREAM_LEGACY;
+    if (on_legacy_stream && in_callers_context && cdl_refuse_unusable_legacy_stream(rt) < 0)
+        return -1;
     cdl_device_scope scope;
     if (cdl_device_enter(rt, arr->home_device, &scope) != 0)
         return cdl_raise_scope_error(&scope);
+    if (on_legacy_stream && !in_callers_context && cdl_refuse_unusable_legacy_stream(rt) < 0) {
+        (void)cdl_device_leave(rt, &scope); /* the refusal is the error to report: nothing was made */
+        return -1;
+    }
     /* An empty copy is a byte nobody reads: made and freed at once (no stream, no release point). */
     int status = cdl_allocate_like(rt, arr->device, (size_t)(count > 0 ? count * itemsize : 1),
                                    count > 0 ? stream : NULL, out, stream_ordered);
-    int outside_capture = status == 0 && cdl_stream_outside_capture(rt, stream);
-    cdl_release_point_set(release_at, (int64_t)(intptr_t)stream, arr);
     if (cdl_device_leave(rt, &scope) != 0 && status == 0) {
         cdl_release_copy(*out, arr->device, *stream_ordered ? (int64_t)(intptr_t)stream : 0);
         return cdl_raise_scope_error(&scope);
     }
     if (status < 0)
         return -1;
-    if (count == 0)
+    if (count == 0) {
+        cdl_release_point_set(release_at, 0, arr);
         return 0;
+    }
     if (cdl_order_streams(arr, consumer) < 0)
         goto fail;
-    /* A legacy or per-thread consumer names that stream of the caller's current device. For pinned and managed
-     * memory, which every device reaches, that need not be the allocation's device: the copies go onto the
-     * consumer's stream in the caller's own context, right after the wait on the producer that
-     * cdl_order_streams put there, so they run after the producer's work and before the consumer's. For device
-     * memory those handles are the data's device's streams (the array API's), reached in its context. */
-    int in_callers_context = arr->device.device_type != kDLCUDA &&
-                             (consumer == CDL_STREAM_LEGACY || consumer == CDL_STREAM_PER_THREAD);
     if (!in_callers_context && cdl_device_enter(rt, arr->home_device, &scope) != 0) {
         cdl_raise_scope_error(&scope);
         goto fail;
     }
+    /* Asked, and the release point set, in the context the copies are issued in: the stream is that context's. */
+    int outside_capture = cdl_stream_outside_capture(rt, stream);
+    cdl_release_point_set(release_at, (int64_t)(intptr_t)stream, arr);
     const char *failed = NULL;
     cudaError_t code = cdl_issue_copies(rt, *out, arr->data, layout, &plan, stream, &failed);
     if (!in_callers_context && cdl_device_leave(rt, &scope) != 0 && code == cudaSuccess) {
@@ -455,7 +493,8 @@ static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layou
         cdl_raise_cuda_error(failed, code);
         goto fail;
     }
-    if (outside_capture && cdl_keep_source_until_copied(arr, (int64_t)(intptr_t)stream, owner, keepalive) < 0)
+    if (outside_capture &&
+        cdl_keep_source_until_copied(arr, (int64_t)(intptr_t)stream, copies_device, release_at, owner, keepalive) < 0)
         goto fail; /* freed in the stream's order: after the copies queued */
     return 0;
 fail:

@@ -318,18 +318,33 @@ static int cdl_capture_plan(int64_t producer, const cdl_capture *made, int64_t c
     return 0;
 }
 
+/* The capture of stream asked in a scope of device's primary context (where the current context is another
+ * device's): the legacy and per-thread handles there name that device's streams. 0, or -1 with an exception. */
+static int cdl_capture_on_device(const cdl_cudart *rt, int device, int64_t stream, cdl_capture *out)
+{
+    cdl_device_scope scope;
+    if (cdl_device_enter(rt, device, &scope) != 0)
+        return cdl_raise_scope_error(&scope);
+    int result = cdl_capture_of(rt, stream, out);
+    if (cdl_device_leave(rt, &scope) != 0 && result == 0)
+        return cdl_raise_scope_error(&scope);
+    return result;
+}
+
 int cdl_order_streams(const cdl_array *arr, int64_t consumer)
 {
     const DLDevice device = arr->device;
     const int64_t producer = arr->stream;
     if (!cdl_option_sync || producer == 0 || consumer == CDL_STREAM_NO_SYNC || device.device_type == kDLCPU)
         return 0;
-    /* A legacy or per-thread consumer handle names the stream of the caller's device: for pinned and
-     * managed memory that is the caller's own context, so that wait comes after the scope is left, and
-     * its capture is asked about there too. One handle is then two streams where the caller's device is
-     * not the allocation's (the producer's stream), else one handle is one stream. */
-    const int wait_outside = device.device_type != kDLCUDA && consumer <= CDL_STREAM_PER_THREAD;
-    if (producer == consumer && !wait_outside)
+    /* A legacy or per-thread consumer handle names the stream of a device: for device memory the data's (the
+     * array API's: a consumer's stream is on the array's device), for pinned and managed memory, which any
+     * device may use, the caller's, so that wait is made in the caller's own context once the producer's is
+     * left, and its capture is asked about there too. One handle is then two streams where the caller's device
+     * is not the allocation's (the producer's stream), else one handle is one stream. */
+    const int default_consumer = consumer == CDL_STREAM_LEGACY || consumer == CDL_STREAM_PER_THREAD;
+    const int in_callers_context = device.device_type != kDLCUDA && default_consumer;
+    if (producer == consumer && !in_callers_context)
         return 0;
     /* No elements, nothing to race on. Producers give such arrays a NULL pointer, so the device is
      * only a guess (the current one) and may not be the producer stream's: recording there would fail. */
@@ -349,15 +364,15 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
             return 0;
     }
     cdl_capture made, used;
-    if (wait_outside && cdl_capture_of(rt, consumer, &used) < 0)
+    if (in_callers_context && cdl_capture_of(rt, consumer, &used) < 0)
         return -1;
     /* The event is recorded in the producer stream's context (event and stream must share one): a
      * stream handle's own, and for the legacy and per-thread handles the primary context of the data's
      * device (the array API's streams belong to the array's device), or for pinned and managed memory,
      * which any device may use, of the allocation's. */
     cdl_device_scope scope;
-    int entered;
-    if (producer > CDL_STREAM_PER_THREAD && rt->cu_stream_get_ctx != NULL) {
+    int entered, producer_handle = producer > CDL_STREAM_PER_THREAD && rt->cu_stream_get_ctx != NULL;
+    if (producer_handle) {
         void *context;
         int code = rt->cu_stream_get_ctx((void *)(uintptr_t)producer, &context);
         if (code != 0)
@@ -375,7 +390,22 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
     unsigned long long key;
     cudaEvent_t event = NULL;
     cdl_failed_call failed = {NULL, cudaSuccess};
-    if (cdl_capture_of(rt, producer, &made) < 0 || (!wait_outside && cdl_capture_of(rt, consumer, &used) < 0) ||
+    /* A producer stream handle of another device than the data's: the consumer's legacy or per-thread stream of
+     * device memory is the data's device's, asked about and waited on in its context, not the producer's. The
+     * producer's context is the data's device's where the caller's current one was it (nothing switched). */
+    int on_datas_device = 0, wait_apart = in_callers_context;
+    if (producer_handle && default_consumer && device.device_type == kDLCUDA) {
+        int producer_device = scope.previous_device;
+        cudaError_t code = scope.switched ? rt->get_device(&producer_device) : cudaSuccess;
+        if (code != cudaSuccess) {
+            cdl_raise_cuda_error("cudaGetDevice", code);
+            goto done;
+        }
+        on_datas_device = producer_device != arr->home_device;
+        wait_apart = on_datas_device;
+    }
+    if ((on_datas_device && cdl_capture_on_device(rt, arr->home_device, consumer, &used) < 0) ||
+        cdl_capture_of(rt, producer, &made) < 0 || (!wait_apart && cdl_capture_of(rt, consumer, &used) < 0) ||
         cdl_capture_plan(producer, &made, consumer, &used, &external) < 0 ||
         cdl_pool_key(rt, &scope, arr->home_device, &key) < 0)
         goto done;
@@ -385,11 +415,21 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
     locked = 1;
     if (cdl_pooled_event(rt, key, external_for, &event, &failed) == 0 &&
         cdl_record(rt, key, external_for, producer, &event, &failed) == 0)
-        result = wait_outside ? 0 : cdl_wait(rt, consumer, event, wait_flags, &failed);
+        result = wait_apart ? 0 : cdl_wait(rt, consumer, event, wait_flags, &failed);
 done:
     left = cdl_device_leave(rt, &scope) == 0;
-    if (result == 0 && left && wait_outside)
+    cdl_device_scope datas_device = {.switched = 0};
+    if (result == 0 && left && on_datas_device && cdl_device_enter(rt, arr->home_device, &datas_device) != 0) {
+        scope = datas_device;
+        left = 0;
+    }
+    if (result == 0 && left && wait_apart) {
         result = cdl_wait(rt, consumer, event, wait_flags, &failed);
+        if (cdl_device_leave(rt, &datas_device) != 0) {
+            scope = datas_device;
+            left = 0;
+        }
+    }
     if (locked)
         cdl_lock_release(&cdl_event_pool_lock);
     if (failed.call != NULL)

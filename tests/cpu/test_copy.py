@@ -440,6 +440,36 @@ def test_failed_allocation_raises(cudart):
         DLPackShim(obj).__dlpack__(copy=True)
 
 
+@pytest.mark.parametrize("kind", [DEVICE, PINNED_HOST])
+def test_failed_legacy_stream_capture_query_raises(cudart, kind):
+    # Whether the legacy stream can take the copies is asked first: a failed query is a CudaError, nothing made.
+    source, obj = device_source(cudart, "contiguous", kind=kind, stream=None)
+    cudart.clear_log()
+    cudart.fail("cudaStreamGetCaptureInfo", 400)
+    with pytest.raises(CudaError, match="cudaStreamGetCaptureInfo failed: cudaErrorInvalidResourceHandle"):
+        DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))
+    assert not any(line.startswith(("cudaMalloc", "cudaMemcpy")) for line in cudart.log())
+    assert cudart.last_error == 0
+
+
+def test_failed_device_query_of_a_copy_for_the_callers_stream_raises(cudart):
+    # A pinned copy for the caller's legacy stream asks which device that is (the one it orders the producer's
+    # stream after): a failed query is a CudaError, nothing made.
+    source, obj = device_source(cudart, "contiguous", kind=PINNED_HOST, stream=S1)
+    cudart.current_device = 1
+    cudart.clear_log()
+    DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))
+    log = cudart.log()
+    asked = log.index("cudaDeviceGetAttribute(11, 0)") + 1  # after the pitch, before anything is made
+    assert log[asked] == "cudaGetDevice() -> 1"
+    cudart.clear_log()
+    cudart.fail("cudaGetDevice", 999, after=sum(line.startswith("cudaGetDevice") for line in log[:asked]))
+    with pytest.raises(CudaError, match="cudaGetDevice failed: cudaErrorUnknown"):
+        DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))
+    assert not any(line.startswith(("cudaMalloc", "cudaMemcpy", "cudaEventRecord")) for line in cudart.log())
+    assert cudart.last_error == 0
+
+
 @pytest.mark.parametrize("call", ["cudaMemcpyAsync", "cudaStreamSynchronize"])
 def test_failed_host_copy_raises(cudart, call):
     source, obj = device_source(cudart, "contiguous")
@@ -477,6 +507,48 @@ def test_device_copy_into_a_capture(cudart):
     capsule = DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
     np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
     del capsule  # freed in relaxed mode too
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+
+
+def legacy_stream_used(log):
+    return [line for line in log if line.startswith(("cudaMalloc", "cudaMemcpy", "cudaEventRecord",
+                                                      "cudaStreamWaitEvent"))]
+
+
+@pytest.mark.parametrize("producer, consumer", [(None, None), (1, None), (1, 1), (None, -1), (1, -1)])
+def test_device_copy_on_the_legacy_stream_refused_while_a_blocking_stream_captures(cudart, producer, consumer):
+    # The copies go onto the data's device's legacy stream (the consumer's, or for -1 the producer's, which is
+    # the legacy one where it gave none): while a blocking stream of that device captures, any use of it would
+    # invalidate the capture. Refused before any allocation, copy or ordering call.
+    source, obj = device_source(cudart, "strided", stream=producer)
+    capture = cudart.begin_capture(S2, blocking=True)
+    cudart.clear_log()
+    with pytest.raises(CudaError, match="copy=True would copy on the legacy default stream") as raised:
+        DLPackShim(obj).__dlpack__(stream=consumer, copy=True, max_version=(1, 0))
+    assert (raised.value.code, raised.value.call) == (906, "cudaMemcpyAsync")
+    assert legacy_stream_used(cudart.log()) == []
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+
+
+@pytest.mark.parametrize("capture_device, refused", [(1, True), (0, False)])
+@pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
+def test_pinned_copy_on_the_callers_legacy_stream_refused_while_its_device_captures(cudart, kind, capture_device,
+                                                                                       refused):
+    # Pinned or managed memory of device 0 copied for the legacy stream while device 1 is current: the copies go
+    # onto device 1's legacy stream, the one a blocking capture on device 1 forbids (one on device 0 does not).
+    source, obj = device_source(cudart, "strided", kind=kind, stream=None)
+    cudart.current_device = 1
+    capture = cudart.begin_capture(S2, device=capture_device, blocking=True)
+    cudart.clear_log()
+    if refused:
+        with pytest.raises(CudaError, match="copy=True would copy on the legacy default stream") as raised:
+            DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))
+        assert raised.value.code == 906 and legacy_stream_used(cudart.log()) == []
+    else:
+        capsule = DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))
+        np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+        del capsule
+    assert cudart.current_device == 1
     assert cudart.violations == 0 and cudart.end_capture(capture)
 
 

@@ -170,6 +170,65 @@ def test_device_memory_with_a_stream_handle_records_in_its_context(cudart):
     assert not any("error" in call for call in cudart.log())
 
 
+@pytest.mark.parametrize("copy", [None, True])
+@pytest.mark.parametrize("consumer", [None, 1, 2])
+def test_device_memory_default_consumer_stream_is_the_datas_devices(cudart, consumer, copy):
+    """Device memory of device 0 produced on a stream of device 1 (CuPy's current stream while device 1 was
+    current): the consumer's legacy or per-thread stream is the data's device's (the array API's), so the event is
+    recorded in the producer stream's context and waited on in device 0's, where a copy then runs after it."""
+    host = np.arange(4, dtype=np.float32)
+    register(cudart, host, DEVICE, device=0)
+    cudart.add_stream(S1, 1)
+    cudart.log_context()
+    cudart.clear_log()
+    capsule = DLPackShim(CaiArray(host, stream=S1)).__dlpack__(stream=consumer, copy=copy, max_version=(1, 0))
+    log = cudart.log()
+    handle = consumer or 1
+    record = [i for i, line in enumerate(log) if line.startswith("cudaEventRecord") and f", {S1}) @ctx1" in line]
+    wait = [i for i, line in enumerate(log) if line.startswith(f"cudaStreamWaitEvent({handle}, ")]
+    assert record and wait and record[0] < wait[0] and all(log[i].endswith("@ctx0") for i in wait), log
+    copies = [i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync"))]
+    assert bool(copies) == bool(copy) and all(wait[0] < i and log[i].endswith(f", {handle}) @ctx0") for i in copies)
+    assert cudart.context_device == 0
+    del capsule
+
+
+# A call of the ordering above that can fail, made with the caller on device 2 (so each scope switches): which
+# occurrence fails, and whether the event was recorded and waited on by then.
+AROUND_THE_DATAS_DEVICE = {
+    "the producer's context's device": ("cudaGetDevice", 201, 1, False, False),
+    "the consumer's capture scope": ("cuDevicePrimaryCtxRetain", 101, 0, False, False),
+    "leaving the consumer's capture scope": ("cuCtxPopCurrent", 201, 0, False, False),
+    "the consumer's wait scope": ("cuDevicePrimaryCtxRetain", 101, 1, True, False),
+    "leaving the consumer's wait scope": ("cuCtxPopCurrent", 201, 2, True, True),
+}
+
+
+@pytest.mark.parametrize("where", AROUND_THE_DATAS_DEVICE)
+def test_a_failure_around_the_datas_device_wait_raises(cudart, where):
+    """Device memory of device 0 produced on a stream of device 1, consumed on the legacy stream while device 2 is
+    current: each call of the data's device's scopes that fails raises CudaError naming it, ordering no further."""
+    call, code, after, recorded, waited = AROUND_THE_DATAS_DEVICE[where]
+    host = np.arange(4, dtype=np.float32)
+    register(cudart, host, DEVICE, device=0)
+    cudart.add_stream(S1, 1)
+    obj = CaiArray(host, stream=S1)
+    cudart.current_device = 2
+    cai2dlpack(obj)  # the pooled event exists
+    references = sys.getrefcount(obj)
+    cudart.clear_log()
+    cudart.fail(call, code, after=after)
+    with pytest.raises(CudaError, match=f"{call} failed") as raised:
+        cai2dlpack(obj)
+    assert (raised.value.call, raised.value.code) == (call, code)
+    log = cudart.log()
+    assert any(line.startswith("cudaEventRecord") for line in log) == recorded
+    assert any(line.startswith("cudaStreamWaitEvent") for line in log) == waited
+    assert sys.getrefcount(obj) == references and cudart.last_error == 0
+    if call != "cuCtxPopCurrent":  # a failed pop leaves the context stack as the driver left it
+        assert cudart.context_device == 2
+
+
 @pytest.fixture
 def pooled(cudart):
     """A device-2 producer whose pooled event exists (converted once)."""

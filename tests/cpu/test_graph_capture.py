@@ -414,6 +414,26 @@ def test_managed_memory_legacy_consumer_is_the_callers(cudart, caller_device, ca
     assert cudart.end_capture(capture) and cudart.violations == 0
 
 
+@pytest.mark.parametrize("capture_device,refused", [(0, True), (1, False)])
+def test_device_memory_legacy_consumer_is_the_datas_devices(cudart, capture_device, refused):
+    """Device memory's legacy consumer stream is the data's device's, whatever device the producer's stream
+    belongs to: a blocking capture there forbids it, one on the producer stream's device does not."""
+    host = np.zeros(4, dtype=np.float32)
+    register(cudart, host, DEVICE, device=0)
+    cudart.add_stream(P_HANDLE, 1)
+    capture = cudart.begin_capture(BYSTANDER, capture_device, GLOBAL, blocking=True)
+    cudart.clear_log()
+    if refused:
+        with pytest.raises(CudaError, match="legacy default stream") as raised:
+            cai2dlpack(CaiArray(host, stream=P_HANDLE), stream=LEGACY)
+        assert raised.value.code == IMPLICIT and order_calls(cudart.log()) == []
+    else:
+        cai2dlpack(CaiArray(host, stream=P_HANDLE), stream=LEGACY)
+        assert order_calls(cudart.log())[-1] == "cudaStreamWaitEvent(1, ev, 0)"
+    assert cudart.context_device == 0
+    assert cudart.end_capture(capture) and cudart.violations == 0
+
+
 def test_a_view_handed_on_inside_its_capture(cudart, data):
     """A view made on a capturing stream, handed on to another stream of the same capture, orders inside the graph;
     handed to a stream outside it, raises."""

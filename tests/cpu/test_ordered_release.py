@@ -5,6 +5,7 @@ a queued "kernel" (a host function on the consumer's stream) reads after the pro
 import ctypes
 import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ import pytest
 from cai_dlpack import DLPackShim, _core, cai2dlpack, dlpack2cai
 from support import doors
 from support.cai_objects import CaiArray, register
-from support.cuda_double import DEVICE, GLOBAL
+from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST
 from support.dlpack_ctypes import DLManagedTensor, DLManagedTensorVersioned, _api
 
 S1, S2 = 0x5000, 0x6000  # the producer's stream, the consumer's
@@ -312,6 +313,70 @@ def test_device_copy_memory_is_freed_in_the_consumers_stream_order(late):
     assert f"cudaFreeAsync({S2})" in late.log() and "cudaFree()" not in late.log()
     late.run_stream(S2)
     np.testing.assert_array_equal(seen[0], ORIGINAL)
+
+
+@pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
+def test_pinned_copy_for_the_callers_stream_is_released_after_that_stream(cudart, kind):
+    """Pinned or managed memory of device 0 copied for the legacy stream while device 1 is current: the copies ran
+    on device 1's legacy stream, so the copy's memory is released after that stream (its event recorded there, in
+    device 1's context), not after device 0's."""
+    host = np.arange(N, dtype=np.float32)
+    register(cudart, host, kind, device=0)
+    cudart.current_device = 1
+    cudart.late = True
+    try:
+        copy, drop = consume(DLPackShim(CaiArray(host)).__dlpack__(copy=True, max_version=(1, 0)))
+        cudart.log_context()
+        cudart.clear_log()
+        drop()
+        records = [line for line in cudart.log() if line.startswith("cudaEventRecord")]
+        assert records and all(line.endswith(", 1) @ctx1") for line in records), cudart.log()
+        drain(cudart)
+    finally:
+        cudart.late = False
+
+
+@pytest.mark.parametrize("consumer", [1, 2])
+@pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
+def test_pinned_copy_for_the_callers_stream_orders_the_producer_after_it(cudart, kind, consumer):
+    """Pinned or managed memory of device 0, made on its stream S1, copied for the legacy (per-thread) stream while
+    device 1 is current: the copies run on device 1's stream, so that is the stream whose event S1 waits on before
+    the producer's allocator may reuse the source (device 0's would not hold the copies)."""
+    host = np.arange(N, dtype=np.float32)
+    register(cudart, host, kind, device=0)
+    cudart.add_stream(S1, 0)
+    cudart.current_device = 1
+    cudart.log_context()
+    cudart.clear_log()
+    capsule = DLPackShim(CaiArray(host, stream=S1)).__dlpack__(stream=consumer, copy=True, max_version=(1, 0))
+    log = cudart.log()
+    last_copy = max(i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync")))
+    assert log[last_copy].endswith(f", {consumer}) @ctx1")
+    after = log[last_copy:]
+    wait = next(i for i, line in enumerate(after) if line.startswith(f"cudaStreamWaitEvent({S1}, "))
+    event = re.search(r", (ev\d+),", after[wait]).group(1)
+    records = [line for line in after[:wait] if line.startswith(f"cudaEventRecord({event}, ")]
+    assert records[-1:] == [f"cudaEventRecord({event}, {consumer}) @ctx1"], after  # device 1's stream, not 0's
+    del capsule
+
+
+@pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
+def test_pinned_copy_on_the_producers_legacy_stream_keeps_its_source_until_that_stream_ran(cudart, kind):
+    """stream=-1 copies pinned or managed memory on the producer's stream: its legacy stream is the allocation's
+    device's (device 0), whatever device is current, so the source is kept until device 0's legacy stream ran the
+    copies (an event recorded there, in device 0's context, not on device 1's)."""
+    host = np.arange(N, dtype=np.float32)
+    register(cudart, host, kind, device=0)
+    cudart.current_device = 1
+    cudart.log_context()
+    cudart.clear_log()
+    capsule = DLPackShim(CaiArray(host, stream=1)).__dlpack__(stream=-1, copy=True, max_version=(1, 0))
+    log = cudart.log()
+    last_copy = max(i for i, line in enumerate(log) if line.startswith(("cudaMemcpyAsync", "cudaMemcpy2DAsync")))
+    assert log[last_copy].endswith(", 1) @ctx0")
+    records = [line for line in log[last_copy:] if line.startswith("cudaEventRecord")]
+    assert records and all(line.endswith(", 1) @ctx0") for line in records), log
+    del capsule
 
 
 # ---- interpreter exit ---------------------------------------------------------------------------------------

@@ -26,8 +26,10 @@ def ordering_calls(log):
 def expected_calls(producer, consumer, data_device, current_device):
     """The calls an event-ordered conversion must make (the pooled event is already made). A stream handle's own
     context is asked for and pushed if it is not the current one; for the legacy and per-thread handles the data
-    device's primary context is (retained, pushed, popped, released). Each stream's capture is asked about (two
-    calls: the only ones graph capture adds to an ordered conversion). The event is found by the context's id."""
+    device's primary context is (retained, pushed, popped, released). A pushed handle's context is asked its device
+    when the consumer's is the legacy or per-thread handle, which names the data's device's stream. Each stream's
+    capture is asked about (two calls: the only ones graph capture adds to an ordered conversion). The event is
+    found by the context's id."""
     consumer_stream = 1 if consumer is None else consumer
     if producer is None or consumer_stream == -1 or producer == consumer_stream:
         return []
@@ -39,6 +41,8 @@ def expected_calls(producer, consumer, data_device, current_device):
         calls += [f"cuDevicePrimaryCtxGetState({data_device}) -> 1", f"cuDevicePrimaryCtxRetain({data_device})"]
     if switch:
         calls.append(f"cuCtxPushCurrent(ctx{data_device})")
+    if switch and handle and consumer_stream in (1, 2):
+        calls.append(f"cudaGetDevice() -> {data_device}")
     # Both streams' captures are asked about (neither captures here), then the event is found and used.
     calls += [f"cudaStreamGetCaptureInfo({producer}) -> none", f"cudaStreamGetCaptureInfo({consumer_stream}) -> none"]
     calls += [f"cuCtxGetId(ctx{data_device}) -> 0", f"cudaEventRecord(ev{{}}, {producer})",

@@ -58,7 +58,7 @@ static size_t max_pitch = DEFAULT_MAX_PITCH;
 static int log_context;
 static char log_text[1 << 18];
 static size_t log_length;
-static struct { char name[64]; int code; int remaining; } failures[MAX_FAILURES];
+static struct { char name[64]; int code; int remaining; int after; } failures[MAX_FAILURES];
 static int failure_count;
 static int event_device[MAX_EVENTS]; /* device + 1 while alive, 0 when free */
 static int events_created, events_destroyed;
@@ -222,6 +222,10 @@ static int injected(const char *name)
 {
     for (int i = 0; i < failure_count; i++) {
         if (failures[i].remaining != 0 && strcmp(failures[i].name, name) == 0) {
+            if (failures[i].after > 0) { /* calls let through before the failures */
+                failures[i].after--;
+                continue;
+            }
             if (failures[i].remaining > 0)
                 failures[i].remaining--;
             if (strncmp(name, "cuda", 4) == 0) /* driver calls leave the runtime's last error alone */
@@ -1370,8 +1374,9 @@ API int double_add_region(uintptr_t start, size_t size, int type, int device)
     return ok ? 0 : -1;
 }
 
-/* The next count calls of name return code (count < 0: every call until reset). */
-API int double_fail(const char *name, int code, int count)
+/* The next count calls of name return code (count < 0: every call until reset), once after calls of it have
+ * gone through. */
+API int double_fail_after(const char *name, int code, int count, int after)
 {
     pthread_mutex_lock(&lock);
     int slot = 0;
@@ -1382,12 +1387,15 @@ API int double_fail(const char *name, int code, int count)
         snprintf(failures[slot].name, sizeof(failures[0].name), "%s", name);
         failures[slot].code = code;
         failures[slot].remaining = count;
+        failures[slot].after = after;
         if (slot == failure_count)
             failure_count++;
     }
     pthread_mutex_unlock(&lock);
     return ok ? 0 : -1;
 }
+
+API int double_fail(const char *name, int code, int count) { return double_fail_after(name, code, count, 0); }
 
 API int double_current_device(void) { return current_device; }
 API void double_set_max_pitch(size_t pitch) { max_pitch = pitch; }

@@ -41,6 +41,7 @@ class CudaDouble:
         self.lib.double_log.restype = ctypes.c_char_p
         self.lib.double_add_region.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
         self.lib.double_fail.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+        self.lib.double_fail_after.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self.lib.double_add_stream.argtypes = [ctypes.c_size_t, ctypes.c_int]
         self.lib.double_primary_contexts.restype = ctypes.c_uint
         self.lib.double_begin_capture.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -64,8 +65,9 @@ class CudaDouble:
     def add_region(self, start, size, kind, device=0):
         assert self.lib.double_add_region(start, size, kind, device) == 0
 
-    def fail(self, call, code, count=1):
-        assert self.lib.double_fail(call.encode(), code, count) == 0
+    def fail(self, call, code, count=1, after=0):
+        """The next count calls of call (-1: all) return code, once after calls of it have gone through."""
+        assert self.lib.double_fail_after(call.encode(), code, count, after) == 0
 
     def log(self):
         return [line for line in self.lib.double_log().decode().splitlines() if line]
