@@ -749,15 +749,21 @@ static int cdl_parse_dl_device(PyObject *dl_device, DLDevice device, DLDevice *t
     return 0;
 }
 
-/* The consumer's tensor keeps owner alive until the work it queued on its stream by the time it lets go has
- * run (ordered_release.c); and releases that became ready are made now. */
-static void cdl_export_order_release(PyObject *capsule, const cdl_array *arr, int64_t consumer)
+/* A capsule of arr, its data ordered after the producer's stream, whose tensor keeps owner alive until the work
+ * its consumer queued on its stream by the time it lets go has run (ordered_release.c): the release point goes
+ * into the block as it is made, no capsule is asked for its pointer again. Releases that became ready are made
+ * now. (A wait queued before an allocation that then fails only orders the consumer's stream once more.) */
+static PyObject *cdl_export_shared(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned,
+                                   int64_t consumer)
 {
+    if (cdl_order_streams(arr, consumer) < 0)
+        return NULL;
     cdl_release_point point;
     cdl_release_point_set(&point, consumer, arr);
-    if (point.stream != 0)
-        cdl_capsule_order_release(capsule, &point, 0);
-    cdl_release_completed();
+    PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, versioned, &point);
+    if (capsule != NULL)
+        cdl_release_completed();
+    return capsule;
 }
 
 /* BufferError for read-only data asked for as a legacy capsule. Returns NULL. */
@@ -776,12 +782,7 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
         /* No keyword: the legacy stream, a legacy capsule of the data where it is. */
         if (arr->read_only)
             return cdl_refuse_read_only_legacy();
-        PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, 0);
-        if (capsule != NULL && cdl_order_streams(arr, CDL_STREAM_LEGACY) < 0)
-            Py_CLEAR(capsule);
-        if (capsule != NULL)
-            cdl_export_order_release(capsule, arr, CDL_STREAM_LEGACY);
-        return capsule;
+        return cdl_export_shared(arr, owner, keepalive, 0, CDL_STREAM_LEGACY);
     }
     int64_t consumer;
     int versioned;
@@ -827,10 +828,5 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
         return cdl_export_copy(arr, target, consumer, owner, keepalive, versioned);
     if (arr->read_only && !versioned)
         return cdl_refuse_read_only_legacy();
-    PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, versioned);
-    if (capsule != NULL && cdl_order_streams(arr, consumer) < 0)
-        Py_CLEAR(capsule);
-    if (capsule != NULL)
-        cdl_export_order_release(capsule, arr, consumer);
-    return capsule;
+    return cdl_export_shared(arr, owner, keepalive, versioned, consumer);
 }

@@ -387,8 +387,10 @@ void cdl_managed_delete(cdl_managed *managed);
 /* Our export of arr in one allocation (the managed tensor, shape and strides), whose deleter releases
  * owner and keepalive (new references taken here). A NULL pointer with an exception set on failure. */
 cdl_managed cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned);
-/* The same, in a capsule named for its layout that frees an unconsumed tensor. NULL with an exception. */
-PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned);
+/* The same, in a capsule named for its layout that frees an unconsumed tensor, its consumer's release ordered
+ * at release_at (NULL, or a point of stream 0: at once). NULL with an exception. */
+PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned,
+                                 const cdl_release_point *release_at);
 /* Frees data of an export that owns it; called once, on any thread, with or without the GIL, also while the
  * interpreter shuts down, so it touches no Python state. */
 typedef void (*cdl_data_release)(void *data, DLDevice device, int64_t stream);

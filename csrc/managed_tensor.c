@@ -244,11 +244,14 @@ static void cdl_capsule_destructor(PyObject *capsule)
     cdl_managed_delete(&managed);
 }
 
-PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned)
+PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned,
+                                 const cdl_release_point *release_at)
 {
     cdl_managed managed = cdl_managed_from_array(arr, owner, keepalive, versioned);
     if (managed.pointer == NULL)
         return NULL;
+    if (release_at != NULL && release_at->stream != 0)
+        cdl_managed_order_release(managed, release_at, 0);
     PyObject *capsule = PyCapsule_New(managed.pointer, versioned ? cdl_capsule_name_versioned : cdl_capsule_name_legacy,
                                       cdl_capsule_destructor);
     if (capsule == NULL)
