@@ -542,22 +542,43 @@ done:
     return status;
 }
 
+/* A buffer export held for a tensor: the Py_buffer in a capsule of ours (no name: it is never handed out), which
+ * releases the export when the tensor lets go. One small object where a memoryview is two tracked ones. */
+static void cdl_buffer_hold_destructor(PyObject *capsule)
+{
+    Py_buffer *buffer = PyCapsule_GetPointer(capsule, NULL);
+    PyBuffer_Release(buffer);
+    PyMem_Free(buffer);
+}
+
+PyObject *cdl_keepalive_exporter(PyObject *keepalive)
+{
+    if (PyCapsule_CheckExact(keepalive) && PyCapsule_GetDestructor(keepalive) == cdl_buffer_hold_destructor)
+        return ((Py_buffer *)PyCapsule_GetPointer(keepalive, NULL))->obj;
+    return PyMemoryView_GET_BUFFER(keepalive)->obj;
+}
+
 /* Host arrays whose type implements __array_interface__ in C and exports a buffer (NumPy's ndarray):
  * the buffer describes the same array as the interface, and reading it costs a tenth of the dict
- * NumPy builds on every __array_interface__ access. The memoryview in *keepalive holds the export
- * for as long as the tensor lives. Returns 1 with *out filled, 0 when the buffer cannot describe
- * the array (the caller then reads __array_interface__, whose errors name the offending key), -1
- * with an exception set. */
+ * NumPy builds on every __array_interface__ access. The export, held in *keepalive (a buffer hold, above),
+ * lives as long as the tensor. Returns 1 with *out filled, 0 when the buffer cannot describe the array
+ * (the caller then reads __array_interface__, whose errors name the offending key), -1 with an exception
+ * set. */
 static int cdl_array_from_buffer(PyObject *obj, cdl_array *out, PyObject **keepalive)
 {
-    PyObject *view = PyMemoryView_FromObject(obj);
-    if (view == NULL) {
+    Py_buffer *buffer = PyMem_Malloc(sizeof(Py_buffer));
+    if (buffer == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    /* What a memoryview of obj asks for. */
+    if (PyObject_GetBuffer(obj, buffer, PyBUF_FULL_RO) < 0) {
+        PyMem_Free(buffer);
         if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError))
             return -1;
         PyErr_Clear();
         return 0;
     }
-    const Py_buffer *buffer = PyMemoryView_GET_BUFFER(view);
     if (buffer->ndim > CDL_MAX_NDIM || buffer->suboffsets != NULL ||
         cdl_dtype_from_format(buffer->format, buffer->itemsize, &out->dtype) < 0)
         goto fallback;
@@ -586,10 +607,16 @@ static int cdl_array_from_buffer(PyObject *obj, cdl_array *out, PyObject **keepa
         PyErr_Clear();
         goto fallback;
     }
-    *keepalive = view;
+    *keepalive = PyCapsule_New(buffer, NULL, cdl_buffer_hold_destructor);
+    if (*keepalive == NULL) {
+        PyBuffer_Release(buffer);
+        PyMem_Free(buffer);
+        return -1;
+    }
     return 1;
 fallback:
-    Py_DECREF(view);
+    PyBuffer_Release(buffer);
+    PyMem_Free(buffer);
     return 0;
 }
 
