@@ -621,12 +621,15 @@ fallback:
 }
 
 /* Whether obj's type implements __array_interface__ in C (a getset descriptor, not a Python-level
- * property that might describe other memory) and exports a buffer. */
-static int cdl_has_native_array_buffer(PyObject *obj)
+ * property that might describe other memory) and exports a buffer. generic: obj's attribute access is the
+ * generic one and array is its type's __array_interface__ (or NULL), already looked up. */
+static int cdl_has_native_array_buffer(PyObject *obj, int generic, PyObject *array)
 {
     PyBufferProcs *procs = Py_TYPE(obj)->tp_as_buffer;
     if (procs == NULL || procs->bf_getbuffer == NULL)
         return 0;
+    if (generic)
+        return array != NULL && Py_IS_TYPE(array, &PyGetSetDescr_Type);
     PyObject *descriptor = cdl_type_lookup(Py_TYPE(obj), cdl_name.array_interface);
     int native = descriptor != NULL && Py_IS_TYPE(descriptor, &PyGetSetDescr_Type);
     Py_XDECREF(descriptor);
@@ -682,11 +685,6 @@ static int cdl_walk_instance_dict(PyObject *dict, PyObject **iface, cdl_source *
  * when obj is not such an object. */
 static int cdl_instance_interface(PyObject *obj, PyObject **iface, cdl_source *source)
 {
-    PyTypeObject *type = Py_TYPE(obj);
-    if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_dictoffset == 0 ||
-        _PyType_Lookup(type, cdl_name.cuda_array_interface) != NULL ||
-        _PyType_Lookup(type, cdl_name.array_interface) != NULL)
-        return -2;
     PyObject *dict = PyObject_GenericGetDict(obj, NULL);
     if (dict == NULL)
         return -1;
@@ -704,24 +702,59 @@ static int cdl_instance_interface(PyObject *obj, PyObject **iface, cdl_source *s
     return found;
 }
 
-int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive)
+/* Whether instances of type have no attribute dict (a NumPy array). */
+static int cdl_has_no_instance_dict(PyTypeObject *type)
 {
-    if (PyDict_Check(obj))
-        return cdl_array_from_interface(obj, CDL_SOURCE_CAI, NULL, requested, out, keepalive);
+#ifdef Py_TPFLAGS_MANAGED_DICT
+    if (type->tp_flags & Py_TPFLAGS_MANAGED_DICT)
+        return 0;
+#endif
+    return type->tp_dictoffset == 0;
+}
+
+/* getattr(obj, name) as cdl_lookup_attribute answers it. generic: obj's attribute access is the generic one, and
+ * descriptor is what obj's type holds under name (or NULL): a data descriptor there (a property, a getset) is what the
+ * generic lookup would call before anything else, so it is called here at once. */
+static int cdl_interface_attribute(PyObject *obj, PyObject *name, int generic, PyObject *descriptor,
+                                   PyObject **value)
+{
+    *value = NULL;
+    if (generic && descriptor == NULL && cdl_has_no_instance_dict(Py_TYPE(obj)))
+        return 0; /* in neither place the generic lookup would look (a NumPy array's CUDA interface) */
+    if (descriptor != NULL && Py_TYPE(descriptor)->tp_descr_get != NULL &&
+        Py_TYPE(descriptor)->tp_descr_set != NULL) {
+        *value = Py_TYPE(descriptor)->tp_descr_get(descriptor, obj, (PyObject *)Py_TYPE(obj));
+        if (*value != NULL)
+            return 1;
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    return cdl_lookup_attribute(obj, name, value);
+}
+
+/* cdl_array_from_object of an object, not a dict; cai and array: its type's attributes of the two names when
+ * its attribute access is the generic one (strong references, or NULL), else NULL both. */
+static int cdl_array_from_attributes(PyObject *obj, const DLDataType *requested, cdl_array *out,
+                                     PyObject **keepalive, int generic, PyObject *cai, PyObject *array)
+{
     PyObject *iface;
     cdl_source source = CDL_SOURCE_CAI;
-    int found = cdl_instance_interface(obj, &iface, &source);
+    int found = -2;
+    if (generic && Py_TYPE(obj)->tp_dictoffset != 0 && cai == NULL && array == NULL)
+        found = cdl_instance_interface(obj, &iface, &source);
     if (found == -2) {
-        found = cdl_lookup_attribute(obj, cdl_name.cuda_array_interface, &iface);
+        found = cdl_interface_attribute(obj, cdl_name.cuda_array_interface, generic, cai, &iface);
         if (found == 0) {
-            if (requested == NULL && cdl_has_native_array_buffer(obj)) {
+            if (requested == NULL && cdl_has_native_array_buffer(obj, generic, array)) {
                 *keepalive = NULL;
                 int read = cdl_array_from_buffer(obj, out, keepalive);
                 if (read != 0)
                     return read < 0 ? -1 : 0;
             }
             source = CDL_SOURCE_ARRAY_INTERFACE;
-            found = cdl_lookup_attribute(obj, cdl_name.array_interface, &iface);
+            found = cdl_interface_attribute(obj, cdl_name.array_interface, generic, array, &iface);
         }
     }
     if (found < 0)
@@ -734,6 +767,20 @@ int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array 
     }
     int status = cdl_array_from_interface(iface, source, obj, requested, out, keepalive);
     Py_DECREF(iface);
+    return status;
+}
+
+int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive)
+{
+    if (PyDict_Check(obj))
+        return cdl_array_from_interface(obj, CDL_SOURCE_CAI, NULL, requested, out, keepalive);
+    PyTypeObject *type = Py_TYPE(obj);
+    const int generic = type->tp_getattro == PyObject_GenericGetAttr;
+    PyObject *cai = generic ? cdl_type_lookup(type, cdl_name.cuda_array_interface) : NULL;
+    PyObject *array = generic ? cdl_type_lookup(type, cdl_name.array_interface) : NULL;
+    int status = cdl_array_from_attributes(obj, requested, out, keepalive, generic, cai, array);
+    Py_XDECREF(cai);
+    Py_XDECREF(array);
     return status;
 }
 
