@@ -36,7 +36,7 @@ static int cdl_dies_with_our_reference(PyObject *op)
     return Py_REFCNT(op) == 1;
 }
 
-/* The borrowed path keeps nothing: drops keepalive (the memoryview of a buffer an array interface named),
+/* The borrowed path keeps nothing: drops keepalive (the hold of a buffer an array interface named),
  * refusing the tensor when that buffer would die with it. obj's own buffer lives as long as obj; a
  * buffer object its interface made for this one access (NumPy's protocol allows a fresh one each time)
  * is freed on return, and a borrowed tensor would point into freed memory. Returns 0, or -1 with
@@ -45,7 +45,7 @@ static int cdl_release_borrowed_buffer(PyObject *owner, PyObject *keepalive)
 {
     if (keepalive == NULL)
         return 0;
-    PyObject *exporter = Py_XNewRef(PyMemoryView_GET_BUFFER(keepalive)->obj);
+    PyObject *exporter = Py_XNewRef(cdl_keepalive_exporter(keepalive));
     Py_DECREF(keepalive);
     /* After the view is gone, a unique reference is our own: nothing else holds the buffer. */
     int dying = exporter != NULL && exporter != owner && cdl_dies_with_our_reference(exporter);

@@ -542,22 +542,43 @@ done:
     return status;
 }
 
+/* A buffer export held for a tensor: the Py_buffer in a capsule of ours (no name: it is never handed out), which
+ * releases the export when the tensor lets go. One small object where a memoryview is two tracked ones. */
+static void cdl_buffer_hold_destructor(PyObject *capsule)
+{
+    Py_buffer *buffer = PyCapsule_GetPointer(capsule, NULL);
+    PyBuffer_Release(buffer);
+    PyMem_Free(buffer);
+}
+
+PyObject *cdl_keepalive_exporter(PyObject *keepalive)
+{
+    if (PyCapsule_CheckExact(keepalive) && PyCapsule_GetDestructor(keepalive) == cdl_buffer_hold_destructor)
+        return ((Py_buffer *)PyCapsule_GetPointer(keepalive, NULL))->obj;
+    return PyMemoryView_GET_BUFFER(keepalive)->obj;
+}
+
 /* Host arrays whose type implements __array_interface__ in C and exports a buffer (NumPy's ndarray):
  * the buffer describes the same array as the interface, and reading it costs a tenth of the dict
- * NumPy builds on every __array_interface__ access. The memoryview in *keepalive holds the export
- * for as long as the tensor lives. Returns 1 with *out filled, 0 when the buffer cannot describe
- * the array (the caller then reads __array_interface__, whose errors name the offending key), -1
- * with an exception set. */
+ * NumPy builds on every __array_interface__ access. The export, held in *keepalive (a buffer hold, above),
+ * lives as long as the tensor. Returns 1 with *out filled, 0 when the buffer cannot describe the array
+ * (the caller then reads __array_interface__, whose errors name the offending key), -1 with an exception
+ * set. */
 static int cdl_array_from_buffer(PyObject *obj, cdl_array *out, PyObject **keepalive)
 {
-    PyObject *view = PyMemoryView_FromObject(obj);
-    if (view == NULL) {
+    Py_buffer *buffer = PyMem_Malloc(sizeof(Py_buffer));
+    if (buffer == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    /* What a memoryview of obj asks for. */
+    if (PyObject_GetBuffer(obj, buffer, PyBUF_FULL_RO) < 0) {
+        PyMem_Free(buffer);
         if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError))
             return -1;
         PyErr_Clear();
         return 0;
     }
-    const Py_buffer *buffer = PyMemoryView_GET_BUFFER(view);
     if (buffer->ndim > CDL_MAX_NDIM || buffer->suboffsets != NULL ||
         cdl_dtype_from_format(buffer->format, buffer->itemsize, &out->dtype) < 0)
         goto fallback;
@@ -586,20 +607,29 @@ static int cdl_array_from_buffer(PyObject *obj, cdl_array *out, PyObject **keepa
         PyErr_Clear();
         goto fallback;
     }
-    *keepalive = view;
+    *keepalive = PyCapsule_New(buffer, NULL, cdl_buffer_hold_destructor);
+    if (*keepalive == NULL) {
+        PyBuffer_Release(buffer);
+        PyMem_Free(buffer);
+        return -1;
+    }
     return 1;
 fallback:
-    Py_DECREF(view);
+    PyBuffer_Release(buffer);
+    PyMem_Free(buffer);
     return 0;
 }
 
 /* Whether obj's type implements __array_interface__ in C (a getset descriptor, not a Python-level
- * property that might describe other memory) and exports a buffer. */
-static int cdl_has_native_array_buffer(PyObject *obj)
+ * property that might describe other memory) and exports a buffer. generic: obj's attribute access is the
+ * generic one and array is its type's __array_interface__ (or NULL), already looked up. */
+static int cdl_has_native_array_buffer(PyObject *obj, int generic, PyObject *array)
 {
     PyBufferProcs *procs = Py_TYPE(obj)->tp_as_buffer;
     if (procs == NULL || procs->bf_getbuffer == NULL)
         return 0;
+    if (generic)
+        return array != NULL && Py_IS_TYPE(array, &PyGetSetDescr_Type);
     PyObject *descriptor = cdl_type_lookup(Py_TYPE(obj), cdl_name.array_interface);
     int native = descriptor != NULL && Py_IS_TYPE(descriptor, &PyGetSetDescr_Type);
     Py_XDECREF(descriptor);
@@ -655,11 +685,6 @@ static int cdl_walk_instance_dict(PyObject *dict, PyObject **iface, cdl_source *
  * when obj is not such an object. */
 static int cdl_instance_interface(PyObject *obj, PyObject **iface, cdl_source *source)
 {
-    PyTypeObject *type = Py_TYPE(obj);
-    if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_dictoffset == 0 ||
-        _PyType_Lookup(type, cdl_name.cuda_array_interface) != NULL ||
-        _PyType_Lookup(type, cdl_name.array_interface) != NULL)
-        return -2;
     PyObject *dict = PyObject_GenericGetDict(obj, NULL);
     if (dict == NULL)
         return -1;
@@ -677,24 +702,59 @@ static int cdl_instance_interface(PyObject *obj, PyObject **iface, cdl_source *s
     return found;
 }
 
-int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive)
+/* Whether instances of type have no attribute dict (a NumPy array). */
+static int cdl_has_no_instance_dict(PyTypeObject *type)
 {
-    if (PyDict_Check(obj))
-        return cdl_array_from_interface(obj, CDL_SOURCE_CAI, NULL, requested, out, keepalive);
+#ifdef Py_TPFLAGS_MANAGED_DICT
+    if (type->tp_flags & Py_TPFLAGS_MANAGED_DICT)
+        return 0;
+#endif
+    return type->tp_dictoffset == 0;
+}
+
+/* getattr(obj, name) as cdl_lookup_attribute answers it. generic: obj's attribute access is the generic one, and
+ * descriptor is what obj's type holds under name (or NULL): a data descriptor there (a property, a getset) is what the
+ * generic lookup would call before anything else, so it is called here at once. */
+static int cdl_interface_attribute(PyObject *obj, PyObject *name, int generic, PyObject *descriptor,
+                                   PyObject **value)
+{
+    *value = NULL;
+    if (generic && descriptor == NULL && cdl_has_no_instance_dict(Py_TYPE(obj)))
+        return 0; /* in neither place the generic lookup would look (a NumPy array's CUDA interface) */
+    if (descriptor != NULL && Py_TYPE(descriptor)->tp_descr_get != NULL &&
+        Py_TYPE(descriptor)->tp_descr_set != NULL) {
+        *value = Py_TYPE(descriptor)->tp_descr_get(descriptor, obj, (PyObject *)Py_TYPE(obj));
+        if (*value != NULL)
+            return 1;
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    return cdl_lookup_attribute(obj, name, value);
+}
+
+/* cdl_array_from_object of an object, not a dict; cai and array: its type's attributes of the two names when
+ * its attribute access is the generic one (strong references, or NULL), else NULL both. */
+static int cdl_array_from_attributes(PyObject *obj, const DLDataType *requested, cdl_array *out,
+                                     PyObject **keepalive, int generic, PyObject *cai, PyObject *array)
+{
     PyObject *iface;
     cdl_source source = CDL_SOURCE_CAI;
-    int found = cdl_instance_interface(obj, &iface, &source);
+    int found = -2;
+    if (generic && Py_TYPE(obj)->tp_dictoffset != 0 && cai == NULL && array == NULL)
+        found = cdl_instance_interface(obj, &iface, &source);
     if (found == -2) {
-        found = cdl_lookup_attribute(obj, cdl_name.cuda_array_interface, &iface);
+        found = cdl_interface_attribute(obj, cdl_name.cuda_array_interface, generic, cai, &iface);
         if (found == 0) {
-            if (requested == NULL && cdl_has_native_array_buffer(obj)) {
+            if (requested == NULL && cdl_has_native_array_buffer(obj, generic, array)) {
                 *keepalive = NULL;
                 int read = cdl_array_from_buffer(obj, out, keepalive);
                 if (read != 0)
                     return read < 0 ? -1 : 0;
             }
             source = CDL_SOURCE_ARRAY_INTERFACE;
-            found = cdl_lookup_attribute(obj, cdl_name.array_interface, &iface);
+            found = cdl_interface_attribute(obj, cdl_name.array_interface, generic, array, &iface);
         }
     }
     if (found < 0)
@@ -707,6 +767,20 @@ int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array 
     }
     int status = cdl_array_from_interface(iface, source, obj, requested, out, keepalive);
     Py_DECREF(iface);
+    return status;
+}
+
+int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive)
+{
+    if (PyDict_Check(obj))
+        return cdl_array_from_interface(obj, CDL_SOURCE_CAI, NULL, requested, out, keepalive);
+    PyTypeObject *type = Py_TYPE(obj);
+    const int generic = type->tp_getattro == PyObject_GenericGetAttr;
+    PyObject *cai = generic ? cdl_type_lookup(type, cdl_name.cuda_array_interface) : NULL;
+    PyObject *array = generic ? cdl_type_lookup(type, cdl_name.array_interface) : NULL;
+    int status = cdl_array_from_attributes(obj, requested, out, keepalive, generic, cai, array);
+    Py_XDECREF(cai);
+    Py_XDECREF(array);
     return status;
 }
 
@@ -749,15 +823,21 @@ static int cdl_parse_dl_device(PyObject *dl_device, DLDevice device, DLDevice *t
     return 0;
 }
 
-/* The consumer's tensor keeps owner alive until the work it queued on its stream by the time it lets go has
- * run (ordered_release.c); and releases that became ready are made now. */
-static void cdl_export_order_release(PyObject *capsule, const cdl_array *arr, int64_t consumer)
+/* A capsule of arr, its data ordered after the producer's stream, whose tensor keeps owner alive until the work
+ * its consumer queued on its stream by the time it lets go has run (ordered_release.c): the release point goes
+ * into the block as it is made, no capsule is asked for its pointer again. Releases that became ready are made
+ * now. (A wait queued before an allocation that then fails only orders the consumer's stream once more.) */
+static PyObject *cdl_export_shared(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned,
+                                   int64_t consumer)
 {
+    if (cdl_order_streams(arr, consumer) < 0)
+        return NULL;
     cdl_release_point point;
     cdl_release_point_set(&point, consumer, arr);
-    if (point.stream != 0)
-        cdl_capsule_order_release(capsule, &point, 0);
-    cdl_release_completed();
+    PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, versioned, &point);
+    if (capsule != NULL)
+        cdl_release_completed();
+    return capsule;
 }
 
 /* BufferError for read-only data asked for as a legacy capsule. Returns NULL. */
@@ -776,12 +856,7 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
         /* No keyword: the legacy stream, a legacy capsule of the data where it is. */
         if (arr->read_only)
             return cdl_refuse_read_only_legacy();
-        PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, 0);
-        if (capsule != NULL && cdl_order_streams(arr, CDL_STREAM_LEGACY) < 0)
-            Py_CLEAR(capsule);
-        if (capsule != NULL)
-            cdl_export_order_release(capsule, arr, CDL_STREAM_LEGACY);
-        return capsule;
+        return cdl_export_shared(arr, owner, keepalive, 0, CDL_STREAM_LEGACY);
     }
     int64_t consumer;
     int versioned;
@@ -827,10 +902,5 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
         return cdl_export_copy(arr, target, consumer, owner, keepalive, versioned);
     if (arr->read_only && !versioned)
         return cdl_refuse_read_only_legacy();
-    PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, versioned);
-    if (capsule != NULL && cdl_order_streams(arr, consumer) < 0)
-        Py_CLEAR(capsule);
-    if (capsule != NULL)
-        cdl_export_order_release(capsule, arr, consumer);
-    return capsule;
+    return cdl_export_shared(arr, owner, keepalive, versioned, consumer);
 }

@@ -421,8 +421,10 @@ void cdl_managed_delete(cdl_managed *managed);
 /* Our export of arr in one allocation (the managed tensor, shape and strides), whose deleter releases
  * owner and keepalive (new references taken here). A NULL pointer with an exception set on failure. */
 cdl_managed cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned);
-/* The same, in a capsule named for its layout that frees an unconsumed tensor. NULL with an exception. */
-PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned);
+/* The same, in a capsule named for its layout that frees an unconsumed tensor, its consumer's release ordered
+ * at release_at (NULL, or a point of stream 0: at once). NULL with an exception. */
+PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned,
+                                 const cdl_release_point *release_at);
 /* Frees data of an export that owns it; called once, on any thread, with or without the GIL, also while the
  * interpreter shuts down, so it touches no Python state. */
 typedef void (*cdl_data_release)(void *data, DLDevice device, int64_t stream);
@@ -483,6 +485,9 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
 /* Reads obj's __cuda_array_interface__ (else __array_interface__; a dict is a CAI dict) into *out,
  * device included, its type the caller's requested one when not NULL. Same contract as above. */
 int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive);
+/* The object whose buffer a keepalive of cdl_array_from_object holds (a memoryview, or a buffer hold of a native
+ * array's own buffer); borrowed. */
+PyObject *cdl_keepalive_exporter(PyObject *keepalive);
 /* The whole export: checks the consumer's requests, orders streams, builds the capsule. */
 PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
                      PyObject *max_version, PyObject *dl_device, PyObject *copy);

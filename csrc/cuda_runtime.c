@@ -518,13 +518,14 @@ int cdl_device_of_pointer(const void *ptr, DLDevice *device, int32_t *home)
         return 0;
     }
     /* The struct grew in CUDA 13 (reserved words) and the runtime loaded may be newer than the headers
-     * built against: give it room to spare, zeroed, as the reserved words must be. */
+     * built against: give it room to spare. The struct we read is zeroed, as its reserved words must be; the
+     * room past it is only ever written (by a newer runtime) and never read, so it is left as it is. */
     union {
         struct cudaPointerAttributes attributes;
         unsigned char room[256];
     } answer;
     _Static_assert(sizeof(struct cudaPointerAttributes) <= sizeof(answer.room), "cudaPointerAttributes grew");
-    memset(&answer, 0, sizeof(answer));
+    memset(&answer.attributes, 0, sizeof(answer.attributes));
     struct cudaPointerAttributes *const attributes_of = &answer.attributes;
     cudaError_t status = rt->pointer_get_attributes(attributes_of, ptr);
     if (status != cudaSuccess)

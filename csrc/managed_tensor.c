@@ -56,8 +56,46 @@ typedef struct {
     int data_stream_ordered;
     /* The interpreter whose objects (owner, keepalive) and allocator (the block) these are. */
     PyInterpreterState *interpreter;
+    int keepable; /* made with room for CDL_KEPT_NDIM dimensions: may be kept for the next export */
     int64_t dims[];
 } cdl_export_block;
+
+/* A few freed blocks with room for the common dimension counts are kept for the next export, which then costs
+ * no allocation. Only where a GIL guards them: the list is touched exactly where PyMem_Malloc and PyMem_Free
+ * are called, which need the GIL themselves (the module is single-phase, so one interpreter's allocator). A
+ * free-threaded build allocates each block. */
+#define CDL_KEPT_NDIM 4
+#ifndef Py_GIL_DISABLED
+#define CDL_KEPT_BLOCKS 8
+static cdl_export_block *cdl_kept_blocks[CDL_KEPT_BLOCKS];
+static int cdl_kept_count;
+#endif
+
+/* A block with room for ndim dimensions (uninitialised), or NULL. */
+static cdl_export_block *cdl_block_new(size_t ndim)
+{
+    const int keepable = ndim <= CDL_KEPT_NDIM;
+#ifndef Py_GIL_DISABLED
+    if (keepable && cdl_kept_count > 0)
+        return cdl_kept_blocks[--cdl_kept_count];
+#endif
+    cdl_export_block *block =
+        PyMem_Malloc(sizeof(cdl_export_block) + 2 * (keepable ? CDL_KEPT_NDIM : ndim) * sizeof(int64_t));
+    if (block != NULL)
+        block->keepable = keepable;
+    return block;
+}
+
+static void cdl_block_dispose(cdl_export_block *block)
+{
+#ifndef Py_GIL_DISABLED
+    if (block->keepable && cdl_kept_count < CDL_KEPT_BLOCKS) {
+        cdl_kept_blocks[cdl_kept_count++] = block;
+        return;
+    }
+#endif
+    PyMem_Free(block);
+}
 
 /* The stream a block's owned data is freed on: the consumer's where that free is stream-ordered, else 0. */
 static int64_t cdl_data_stream(const cdl_export_block *block)
@@ -75,9 +113,11 @@ static void cdl_free_block(cdl_export_block *block)
 {
     if (block->release_data != NULL)
         block->release_data(block->owned_data, block->owned_device, cdl_data_stream(block));
-    Py_XDECREF(block->owner);
-    Py_XDECREF(block->keepalive);
-    PyMem_Free(block);
+    PyObject *owner = block->owner, *keepalive = block->keepalive;
+    cdl_block_dispose(block);
+    /* Last: their deallocators may run Python code that exports again, and takes a kept block. */
+    Py_XDECREF(owner);
+    Py_XDECREF(keepalive);
 }
 
 /* Runs on any thread, with or without the GIL (or with another interpreter's), possibly during interpreter
@@ -163,7 +203,7 @@ cdl_managed cdl_managed_from_array(const cdl_array *arr, PyObject *owner, PyObje
 {
     cdl_managed managed = {NULL, versioned};
     size_t ndim = (size_t)arr->ndim;
-    cdl_export_block *block = PyMem_Malloc(sizeof(cdl_export_block) + 2 * ndim * sizeof(int64_t));
+    cdl_export_block *block = cdl_block_new(ndim);
     if (block == NULL) {
         PyErr_NoMemory();
         return managed;
@@ -235,11 +275,14 @@ static void cdl_capsule_destructor(PyObject *capsule)
     cdl_managed_delete(&managed);
 }
 
-PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned)
+PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned,
+                                 const cdl_release_point *release_at)
 {
     cdl_managed managed = cdl_managed_from_array(arr, owner, keepalive, versioned);
     if (managed.pointer == NULL)
         return NULL;
+    if (release_at != NULL && release_at->stream != 0)
+        cdl_managed_order_release(managed, release_at, 0);
     PyObject *capsule = PyCapsule_New(managed.pointer, versioned ? cdl_capsule_name_versioned : cdl_capsule_name_legacy,
                                       cdl_capsule_destructor);
     if (capsule == NULL)

@@ -115,3 +115,32 @@ def test_other_instance_attributes_do_not_hide_the_interface(extra_attributes):
     del made.__array_interface__
     with pytest.raises(TypeError, match="neither __cuda_array_interface__ nor __array_interface__"):
         cai2dlpack(made)
+
+
+class PropertyProducer:
+    """Both interfaces as properties; the CUDA one says it has none (AttributeError) or fails otherwise."""
+
+    def __init__(self, iface, cuda_error):
+        self.iface, self.cuda_error = iface, cuda_error
+
+    @property
+    def __cuda_array_interface__(self):
+        raise self.cuda_error
+
+    @property
+    def __array_interface__(self):
+        return self.iface
+
+
+def test_a_cuda_interface_property_raising_attribute_error_reads_the_array_interface():
+    x = np.arange(6.0).reshape(2, 3)
+    obj = PropertyProducer(dict(x.__array_interface__), AttributeError("host memory"))
+    for capsule in (cai2dlpack(obj), DLPackShim(obj).__dlpack__()):
+        np.testing.assert_array_equal(np.asarray(dlpack2cai(capsule)), x)
+
+
+def test_a_cuda_interface_property_raising_another_error_passes_it_on():
+    x = np.arange(6.0)
+    obj = PropertyProducer(dict(x.__array_interface__), RuntimeError("producer failed"))
+    with pytest.raises(RuntimeError, match="producer failed"):
+        cai2dlpack(obj)

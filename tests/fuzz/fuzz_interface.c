@@ -144,7 +144,7 @@ static void exercise(cdl_input *in)
     cdl_array arr;
     PyObject *keepalive = NULL;
     if (cdl_array_from_interface(iface, CDL_SOURCE_ARRAY_INTERFACE, NULL, NULL, &arr, &keepalive) == 0) {
-        PyObject *capsule = cdl_capsule_from_array(&arr, iface, keepalive, take_byte(in) & 1);
+        PyObject *capsule = cdl_capsule_from_array(&arr, iface, keepalive, take_byte(in) & 1, NULL);
         PyObject *view = capsule ? cdl_view_from_object(capsule, NULL, 1) : NULL;
         PyObject *round_trip = view ? PyObject_GetAttrString(view, "__array_interface__") : NULL;
         if (capsule && view && !round_trip)
