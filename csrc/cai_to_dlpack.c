@@ -375,7 +375,20 @@ static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *ou
     out->read_only = PyTuple_GET_ITEM(data, 1) == Py_True;
     out->stream = 0;
     if (source == CDL_SOURCE_CAI && stream != NULL && stream != Py_None) {
-        if (!cdl_compact_int(stream, &out->stream) || out->stream < 1)
+        /* A handle (a pointer: many digits) is read here too, not left to the general reader to read it all
+         * again; exact ints only, in cdl_parse_stream's range. */
+        if (!cdl_compact_int(stream, &out->stream)) {
+            if (!PyLong_CheckExact(stream))
+                return 0;
+            int overflow;
+            long long handle = PyLong_AsLongLongAndOverflow(stream, &overflow);
+            if (overflow || (handle == -1 && PyErr_Occurred())) {
+                PyErr_Clear();
+                return 0;
+            }
+            out->stream = handle;
+        }
+        if (out->stream < 1)
             return 0;
     }
     if (strides == NULL || strides == Py_None) {

@@ -245,8 +245,8 @@ def fresh_interfaces(draw):
                                 st.lists(st.integers(0, 3), max_size=3), shapes))
         ndim = len(shape) if isinstance(shape, (tuple, list)) else 2
         iface = {"shape": shape, "typestr": typestr, "descr": [("", typestr)],
-                 "stream": value("stream", st.sampled_from([1, 2, None, 2**40]),
-                                 st.one_of(st.sampled_from([0, -1, True, 2**64, "1", Int(5)]), junk)),
+                 "stream": value("stream", st.sampled_from([1, 2, None, 2**40, 0x7F3A_2C00_1000, 2**63 - 1]),
+                                 st.one_of(st.sampled_from([0, -1, -2**40, True, 2**63, 2**64, "1", Int(5)]), junk)),
                  "version": value("version", st.just(3), st.sampled_from([-1, 4, True, 3.0, Int(3), 2**64, None])),
                  "strides": value("strides", st.one_of(st.none(),
                                                        st.lists(st.integers(-4, 4).map(lambda s: s * itemsize),
