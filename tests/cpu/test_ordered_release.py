@@ -242,9 +242,11 @@ def test_past_the_bound_the_oldest_release_waits_for_its_stream(late):
     assert info["pending"] < limit + 1
 
 
-def test_a_captured_conversion_is_released_at_once_and_leaves_the_capture_whole(late):
-    """An event recorded in a capture is a node of the graph, not a point in time: a tensor whose consumer stream
-    captures is released at once (the README: its memory must outlive the graph), and the capture stays valid."""
+def test_a_captured_conversion_is_kept_until_its_stream_left_the_capture_and_leaves_the_capture_whole(late):
+    """An event recorded in a capture is a node of the graph, not a point in time: a tensor dropped while its
+    consumer stream captures records nothing (the capture stays valid) and stays pending, with no event, until a
+    later collection finds the stream outside the capture; its event is recorded then, and it is released once
+    the stream ran up to it."""
     capture = late.begin_capture(S2, 0, GLOBAL)
     pool = Pool(late)
     x = pool.take(ORIGINAL)
@@ -253,8 +255,12 @@ def test_a_captured_conversion_is_released_at_once_and_leaves_the_capture_whole(
     drop()
     del x
     gc.collect()
-    assert watch() is None and _core._pending_releases()["pending"] == 0
+    assert watch() is not None and _core._pending_releases()["pending"] == 1
     assert late.end_capture(capture) and late.violations == 0
+    assert _core._pending_releases()["pending"] == 1  # recorded now, on S2 outside the capture
+    late.run_stream(S2)
+    gc.collect()
+    assert watch() is None and _core._pending_releases()["pending"] == 0
 
 
 def test_collecting_releases_leaves_another_threads_global_capture_whole(late):
