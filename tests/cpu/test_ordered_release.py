@@ -515,3 +515,20 @@ def test_the_double_refuses_an_event_synchronize_that_a_capture_prohibits(cudart
     assert lib.cudaEventSynchronize(event) == 900, "cudaEventSynchronize is not judged by the thread's mode"
     lib.cudaGetLastError()
     cudart.end_capture(capture)
+
+
+def test_a_refused_host_function_leaves_the_release_to_the_next_collection_and_no_error_behind(late):
+    """Where the runtime refuses the host function that schedules the pending call, the release is still made once
+    its stream has run, by the next collection, and the refusal is not left as the runtime's last error."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    watch = weakref.ref(x)
+    data, drop, stream = through_shim(x)
+    late.launch_kernel(S2, lambda: None)
+    late.fail("cudaLaunchHostFunc", 2)
+    drop()
+    del x
+    assert late.last_error == 0
+    assert any(line.startswith("cudaLaunchHostFunc(") for line in late.log())  # the refusal was met
+    late.run_stream(S2)
+    assert _core._pending_releases()["pending"] == 0 and watch() is None
