@@ -85,7 +85,9 @@ PyThreadState *cdl_attached_thread_state(void)
 #if PY_VERSION_HEX >= 0x030D0000
     return PyThreadState_GetUnchecked();
 #else
-    return _PyThreadState_UncheckedGet();
+    /* Before 3.12 the unchecked state is the GIL holder's, whichever thread that is: only the calling thread's. */
+    PyThreadState *holder = _PyThreadState_UncheckedGet();
+    return holder != NULL && holder->thread_id == PyThread_get_thread_ident() ? holder : NULL;
 #endif
 }
 
