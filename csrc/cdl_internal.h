@@ -354,10 +354,12 @@ typedef void (*cdl_release_fn)(void *argument);
  * without elements, a runtime without events, or ordered release switched off. Any thread. */
 void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl_array *arr);
 /* Calls release(argument) once an event recorded now on point's stream has completed: at a later conversion,
- * release or pending call of the interpreter, never waiting for the device (but past CDL_PENDING_LIMIT,
- * where the oldest pending release waits). At once where nothing is to be waited for: point's stream is 0,
- * or captures a graph (the README: a graph's memory must outlive the graph), or the runtime refuses the
- * event. Any thread, with or without the GIL, also while the interpreter shuts down. */
+ * release or pending call of the interpreter (scheduled also when the stream reaches the event), never waiting
+ * for the device (but past CDL_PENDING_LIMIT, where the oldest pending release with an event waits, and stays
+ * pending if the wait is refused). While point's stream captures a graph the event is recorded by the first
+ * collection that finds it outside the capture. At once where nothing is to be waited for: point's stream is
+ * 0, or the runtime refuses the event. Any thread, with or without the GIL, also while the interpreter shuts
+ * down. */
 void cdl_release_after(const cdl_release_point *point, cdl_release_fn release, void *argument);
 /* Releases new references to a and b (either may be NULL) after point, as cdl_release_after. */
 void cdl_release_objects_after(const cdl_release_point *point, PyObject *a, PyObject *b);

@@ -55,6 +55,7 @@ static const char *cdl_resolve_symbols(void *handle, cdl_cudart *table)
     *(void **)(&table->event_synchronize) = dlsym(handle, "cudaEventSynchronize");
     if (table->event_query == NULL || table->event_synchronize == NULL)
         table->event_query = NULL, table->event_synchronize = NULL;
+    *(void **)(&table->launch_host_func) = dlsym(handle, "cudaLaunchHostFunc");
     *(void **)(&table->malloc_async) = dlsym(handle, "cudaMallocAsync");
     *(void **)(&table->free_async) = dlsym(handle, "cudaFreeAsync");
     if (table->malloc_async == NULL || table->free_async == NULL)

@@ -44,6 +44,9 @@ typedef struct cdl_cudart {
      * (CUDA 11.2) make and free our device copies in stream order. */
     cudaError_t (*event_query)(cudaEvent_t);
     cudaError_t (*event_synchronize)(cudaEvent_t);
+    /* cudaLaunchHostFunc: a function of ours (no CUDA call in it) run when a stream reaches it; NULL where
+     * missing (then a completed release waits for the next conversion or deleter). */
+    cudaError_t (*launch_host_func)(cudaStream_t, cudaHostFn_t, void *);
     cudaError_t (*malloc_async)(void **, size_t, cudaStream_t);
     cudaError_t (*free_async)(void *, cudaStream_t);
     /* Swaps the calling thread's capture-interaction mode (CUDA 10.1); NULL where the runtime lacks it. */

@@ -10,6 +10,9 @@
 
 /* One release waiting for its event. Made with malloc: deleters run on any thread, without the GIL. */
 typedef struct cdl_pending {
+    cdl_release_point point; /* the consumer's stream */
+    int recorded;            /* 0 while point's stream captured at every try: no event yet */
+    int64_t stream;          /* the stream the event was recorded on (the legacy one for another thread's 2) */
     cudaEvent_t event;
     unsigned long long key; /* the event's context: its id, or the device without the driver's calls */
     cdl_release_fn release;
@@ -205,9 +208,26 @@ void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl
     point->thread = consumer == CDL_STREAM_PER_THREAD ? cdl_thread_serial() : 0;
 }
 
-/* Records a new event on point's stream, in the stream's context. 1 with *event recorded and not yet complete;
- * 0 when the stream has run all its work already, or nothing can be recorded without harm (the stream captures a graph: its event would be a node of the graph, not a point
- * in time; or the runtime refused), the caller then releasing at once. Any thread, no GIL needed. */
+/* What cdl_record_release did. */
+enum { CDL_RELEASE_NOW, CDL_RECORDED, CDL_NOT_YET };
+
+static void cdl_schedule_collection(void);
+
+/* Run by the runtime on its own thread when a stream reaches a recorded release's event: schedules the pending
+ * call. No CUDA call here, no GIL taken; Py_AddPendingCall needs only a live interpreter (cdl_schedule_collection
+ * asks, under its lock, so exit cannot come between the question and the call). */
+static void CUDART_CB cdl_stream_reached_release(void *unused)
+{
+    (void)unused;
+    cdl_schedule_collection();
+}
+
+/* Records a new event on point's stream, in the stream's context, and after it a host function that schedules
+ * the pending call. CDL_RECORDED with entry->event recorded and not yet complete; CDL_NOT_YET while the stream
+ * captures a graph (an event recorded there would be a node of the graph, not a point in time) or, for the
+ * legacy stream, while a blocking stream captures (cudaErrorStreamCaptureImplicit): the work queued before the
+ * capture still runs, so the caller keeps the release and records later; CDL_RELEASE_NOW when the stream has run
+ * all its work already, or the runtime refused. Any thread, no GIL needed. */
 static int cdl_record_release(const cdl_cudart *rt, const cdl_release_point *point, cdl_pending *entry)
 {
     int64_t stream = point->stream;
@@ -228,13 +248,16 @@ static int cdl_record_release(const cdl_cudart *rt, const cdl_release_point *poi
     }
     if (entered != 0)
         return 0;
-    int recorded = 0;
+    int recorded = CDL_RELEASE_NOW;
+    entry->stream = stream;
     entry->key = (unsigned long long)point->device;
     if (scope.context != NULL && rt->cu_ctx_get_id != NULL && rt->cu_ctx_get_id(scope.context, &entry->key) != 0)
         entry->key = (unsigned long long)point->device;
     enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     unsigned long long capture_id;
     cudaError_t code = cdl_stream_capture_info(rt, (cudaStream_t)(uintptr_t)stream, &capture, &capture_id);
+    if (code == cudaErrorStreamCaptureImplicit || (code == cudaSuccess && capture != cudaStreamCaptureStatusNone))
+        recorded = CDL_NOT_YET;
     if (code == cudaSuccess && capture == cudaStreamCaptureStatusNone) {
         code = cdl_take_event(rt, entry->key, &entry->event);
         if (code == cudaSuccess) {
@@ -262,7 +285,14 @@ static int cdl_record_release(const cdl_cudart *rt, const cdl_release_point *poi
                 (void)rt->event_destroy(entry->event);
             else if (done == cudaSuccess)
                 cdl_give_event(rt, entry->key, entry->event);
-            recorded = code == cudaSuccess && done != cudaSuccess;
+            if (code == cudaSuccess && done != cudaSuccess) {
+                recorded = CDL_RECORDED;
+                /* Without it the release waits for the next conversion, deleter or pending call. */
+                if (rt->launch_host_func != NULL &&
+                    rt->launch_host_func((cudaStream_t)(uintptr_t)stream, cdl_stream_reached_release, NULL) !=
+                        cudaSuccess)
+                    (void)rt->get_last_error();
+            }
         }
     }
     if (code != cudaSuccess)
@@ -271,16 +301,32 @@ static int cdl_record_release(const cdl_cudart *rt, const cdl_release_point *poi
     return recorded;
 }
 
-/* Waits for entry's event, the calling thread detached from the interpreter while it waits. */
-static void cdl_wait_for(const cdl_cudart *rt, cdl_pending *entry)
+/* Waits for entry's event, the calling thread detached from the interpreter while it waits, in relaxed capture
+ * mode (cudaEventSynchronize is prohibited, as cudaEventQuery is, while a global-mode capture runs, and would
+ * invalidate it). 1 once the event completed; 0 when the runtime refused the wait (the release stays pending). */
+static int cdl_wait_for(const cdl_cudart *rt, cdl_pending *entry)
 {
     PyThreadState *attached = cdl_attached_thread_state();
     if (attached != NULL)
         attached = PyEval_SaveThread();
-    if (rt->event_synchronize(entry->event) != cudaSuccess)
+    cdl_capture_mode_scope relaxed;
+    cdl_capture_mode_relax(rt, &relaxed);
+    cudaError_t code = rt->event_synchronize(entry->event);
+    if (code != cudaSuccess)
         (void)rt->get_last_error();
+    cdl_capture_mode_leave(rt, &relaxed);
     if (attached != NULL)
         PyEval_RestoreThread(attached);
+    return code == cudaSuccess;
+}
+
+/* Puts entry back at the head of the pending list (it is older than all there). Lock held. */
+static void cdl_push_oldest(cdl_pending *entry)
+{
+    entry->next = cdl_pending_head;
+    cdl_pending_head = entry;
+    if (cdl_pending_tail == NULL)
+        cdl_pending_tail = entry;
 }
 
 static void cdl_finish(const cdl_cudart *rt, cdl_pending *entry)
@@ -290,7 +336,8 @@ static void cdl_finish(const cdl_cudart *rt, cdl_pending *entry)
     free(entry);
 }
 
-/* Run by the interpreter soon after a release was queued (Py_AddPendingCall), in the main thread. */
+/* Run by the interpreter soon after a release was queued and when a stream reaches a release's event
+ * (Py_AddPendingCall), in the main thread. */
 static int cdl_pending_call(void *unused)
 {
     (void)unused;
@@ -299,44 +346,111 @@ static int cdl_pending_call(void *unused)
     return 0;
 }
 
+/* Whether the pending call may still be scheduled: cleared at exit, under cdl_schedule_lock, after which no host
+ * function of ours touches the interpreter. */
+static cdl_lock cdl_schedule_lock = CDL_LOCK_INITIALIZER;
+static int cdl_schedule_allowed = 1;
+
+/* Schedules the pending call unless it is scheduled already. Any thread, GIL or not (the runtime's own thread). */
+static void cdl_schedule_collection(void)
+{
+    if (cdl_pending_call_scheduled)
+        return;
+    cdl_lock_acquire(&cdl_schedule_lock);
+    /* Py_AddPendingCall needs neither the GIL nor a thread state; only a live interpreter. */
+    if (cdl_schedule_allowed && !cdl_pending_call_scheduled && Py_IsInitialized() && !cdl_interpreter_finalizing()) {
+        cdl_pending_call_scheduled = 1;
+        if (Py_AddPendingCall(cdl_pending_call, NULL) < 0)
+            cdl_pending_call_scheduled = 0;
+    }
+    cdl_lock_release(&cdl_schedule_lock);
+}
+
 void cdl_release_after(const cdl_release_point *point, cdl_release_fn release, void *argument)
 {
     cdl_release_completed();
     const cdl_cudart *rt = cdl_cudart_loaded();
     cdl_pending *entry = NULL;
-    if (point->stream == 0 || !cdl_ordered_release_enabled || rt == NULL || rt->event_query == NULL ||
-        (entry = malloc(sizeof(cdl_pending))) == NULL || !cdl_record_release(rt, point, entry)) {
+    int recorded = CDL_RELEASE_NOW;
+    if (point->stream != 0 && cdl_ordered_release_enabled && rt != NULL && rt->event_query != NULL &&
+        (entry = malloc(sizeof(cdl_pending))) != NULL)
+        recorded = cdl_record_release(rt, point, entry);
+    if (recorded == CDL_RELEASE_NOW) {
         free(entry);
         release(argument);
         return;
     }
+    entry->point = *point;
+    entry->recorded = recorded == CDL_RECORDED;
     entry->release = release;
     entry->argument = argument;
     entry->next = NULL;
-    cdl_pending *oldest = NULL;
+    cdl_pending *oldest = NULL, *before = NULL;
     cdl_lock_acquire(&cdl_pending_lock);
     if (cdl_pending_tail != NULL)
         cdl_pending_tail->next = entry;
     else
         cdl_pending_head = entry;
     cdl_pending_tail = entry;
-    /* Past the bound the oldest release waits for its event: memory held back stays bounded. */
+    /* Past the bound the oldest release with an event waits for it: memory held back stays bounded (but for
+     * releases whose stream captures: they have nothing to wait for yet). */
     if (++cdl_pending_count > CDL_PENDING_LIMIT) {
-        oldest = cdl_pending_head;
-        cdl_pending_head = oldest->next;
-        cdl_pending_count--;
+        for (oldest = cdl_pending_head; oldest != NULL && !oldest->recorded; oldest = oldest->next)
+            before = oldest;
+        if (oldest != NULL) {
+            if (before != NULL)
+                before->next = oldest->next;
+            else
+                cdl_pending_head = oldest->next;
+            if (cdl_pending_tail == oldest)
+                cdl_pending_tail = before;
+            oldest->next = NULL;
+            cdl_pending_count--;
+        }
     }
     cdl_lock_release(&cdl_pending_lock);
     if (oldest != NULL) {
         cdl_pending_waits++;
-        cdl_wait_for(rt, oldest);
-        cdl_finish(rt, oldest);
+        if (cdl_wait_for(rt, oldest)) {
+            cdl_finish(rt, oldest);
+        }
+        else {
+            /* Refused (a capture prohibits it, or any error): never released before its stream ran. */
+            cdl_lock_acquire(&cdl_pending_lock);
+            cdl_push_oldest(oldest);
+            cdl_pending_count++;
+            cdl_lock_release(&cdl_pending_lock);
+        }
     }
-    /* Py_AddPendingCall needs neither the GIL nor a thread state; only a live interpreter. */
-    if (!cdl_pending_call_scheduled && Py_IsInitialized() && !cdl_interpreter_finalizing()) {
-        cdl_pending_call_scheduled = 1;
-        if (Py_AddPendingCall(cdl_pending_call, NULL) < 0)
-            cdl_pending_call_scheduled = 0;
+    cdl_schedule_collection();
+}
+
+/* Whether entry's event is on a stream already found not to have run past an older release's event in this
+ * collection: events of one stream complete in order, so it is not asked. */
+#define CDL_BUSY_STREAMS 16
+typedef struct {
+    int count;
+    struct {
+        int64_t stream;
+        unsigned long long key, thread;
+    } stream[CDL_BUSY_STREAMS];
+} cdl_busy_streams;
+
+static int cdl_stream_busy(const cdl_busy_streams *busy, const cdl_pending *entry)
+{
+    for (int i = 0; i < busy->count; i++)
+        if (busy->stream[i].stream == entry->stream && busy->stream[i].key == entry->key &&
+            busy->stream[i].thread == entry->point.thread)
+            return 1;
+    return 0;
+}
+
+static void cdl_note_busy(cdl_busy_streams *busy, const cdl_pending *entry)
+{
+    if (busy->count < CDL_BUSY_STREAMS) {
+        busy->stream[busy->count].stream = entry->stream;
+        busy->stream[busy->count].key = entry->key;
+        busy->stream[busy->count++].thread = entry->point.thread;
     }
 }
 
@@ -347,33 +461,74 @@ void cdl_release_completed(void)
     const cdl_cudart *rt = cdl_cudart_loaded();
     if (rt == NULL)
         return;
+    /* The list is taken out whole and its calls made without the lock (a record takes it for a spare event);
+     * what stays pending goes back in front of what was added meanwhile. */
+    cdl_lock_acquire(&cdl_pending_lock);
+    cdl_pending *list = cdl_pending_head;
+    cdl_pending_head = cdl_pending_tail = NULL;
+    cdl_lock_release(&cdl_pending_lock);
+    if (list == NULL)
+        return;
     /* Querying an event is prohibited while another thread captures in global mode (PyTorch's default):
      * asked in relaxed mode, it breaks no capture. */
     cdl_capture_mode_scope relaxed;
     cdl_capture_mode_relax(rt, &relaxed);
-    cdl_pending *done = NULL, **done_tail = &done;
-    cdl_lock_acquire(&cdl_pending_lock);
-    /* Oldest first, up to the first not yet complete: a release costs one query, not one per pending. */
-    while (cdl_pending_head != NULL) {
-        cudaError_t code = rt->event_query(cdl_pending_head->event);
-        if (code == cudaErrorNotReady)
-            break;
-        if (code != cudaSuccess)
-            (void)rt->get_last_error(); /* the event's context is gone, and nothing of its work still runs */
-        cdl_pending *entry = cdl_pending_head;
-        cdl_pending_head = entry->next;
+    cdl_pending *done = NULL, **done_tail = &done, *kept = NULL, **kept_tail = &kept, *kept_last = NULL;
+    cdl_busy_streams busy = {0};
+    Py_ssize_t made = 0;
+    /* Every release is looked at, whatever its stream (one not yet complete holds back none of another stream);
+     * a stream's later releases are not asked once one of its releases is found incomplete. */
+    while (list != NULL) {
+        cdl_pending *entry = list;
+        list = entry->next;
         entry->next = NULL;
-        *done_tail = entry;
-        done_tail = &entry->next;
-        cdl_pending_count--;
+        int complete;
+        if (!entry->recorded) {
+            /* Its stream captured when it was dropped: recorded once the stream is outside the capture. */
+            int recorded = cdl_record_release(rt, &entry->point, entry);
+            entry->recorded = recorded == CDL_RECORDED;
+            complete = recorded == CDL_RELEASE_NOW;
+        }
+        else if (cdl_stream_busy(&busy, entry)) {
+            complete = 0;
+        }
+        else {
+            cudaError_t code = rt->event_query(entry->event);
+            if (code != cudaSuccess && code != cudaErrorNotReady)
+                (void)rt->get_last_error(); /* the event's context is gone, and nothing of its work still runs */
+            complete = code != cudaErrorNotReady;
+            if (!complete)
+                cdl_note_busy(&busy, entry);
+        }
+        if (complete) {
+            *done_tail = entry;
+            done_tail = &entry->next;
+            made++;
+        }
+        else {
+            *kept_tail = entry;
+            kept_tail = &entry->next;
+            kept_last = entry;
+        }
     }
-    if (cdl_pending_head == NULL)
-        cdl_pending_tail = NULL;
-    cdl_lock_release(&cdl_pending_lock);
     cdl_capture_mode_leave(rt, &relaxed);
+    cdl_lock_acquire(&cdl_pending_lock);
+    if (kept != NULL) {
+        *kept_tail = cdl_pending_head;
+        if (cdl_pending_head == NULL)
+            cdl_pending_tail = kept_last;
+        cdl_pending_head = kept;
+    }
+    cdl_pending_count -= made;
+    cdl_lock_release(&cdl_pending_lock);
     while (done != NULL) {
         cdl_pending *next = done->next;
-        cdl_finish(rt, done);
+        if (done->recorded)
+            cdl_finish(rt, done);
+        else {
+            done->release(done->argument);
+            free(done);
+        }
         done = next;
     }
 }
@@ -433,6 +588,10 @@ static PyObject *cdl_release_pending_at_exit(PyObject *module, PyObject *unused)
         Py_END_ALLOW_THREADS
         cdl_release_completed();
     }
+    /* From here a stream reaching a release schedules nothing: the interpreter is going. */
+    cdl_lock_acquire(&cdl_schedule_lock);
+    cdl_schedule_allowed = 0;
+    cdl_lock_release(&cdl_schedule_lock);
     Py_RETURN_NONE;
 }
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 from cai_dlpack import DLPackShim, _core, cai2dlpack, dlpack2cai
 from support import doors
 from support.cai_objects import CaiArray, register
-from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST
+from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST, RELAXED, THREAD_LOCAL
 from support.dlpack_ctypes import DLManagedTensor, DLManagedTensorVersioned, _api
 
 S1, S2 = 0x5000, 0x6000  # the producer's stream, the consumer's
@@ -243,9 +244,11 @@ def test_past_the_bound_the_oldest_release_waits_for_its_stream(late):
     assert info["pending"] < limit + 1
 
 
-def test_a_captured_conversion_is_released_at_once_and_leaves_the_capture_whole(late):
-    """An event recorded in a capture is a node of the graph, not a point in time: a tensor whose consumer stream
-    captures is released at once (the README: its memory must outlive the graph), and the capture stays valid."""
+def test_a_captured_conversion_is_kept_until_its_stream_left_the_capture_and_leaves_the_capture_whole(late):
+    """An event recorded in a capture is a node of the graph, not a point in time: a tensor dropped while its
+    consumer stream captures records nothing (the capture stays valid) and stays pending, with no event, until a
+    later collection finds the stream outside the capture; its event is recorded then, and it is released once
+    the stream ran up to it."""
     capture = late.begin_capture(S2, 0, GLOBAL)
     pool = Pool(late)
     x = pool.take(ORIGINAL)
@@ -254,8 +257,12 @@ def test_a_captured_conversion_is_released_at_once_and_leaves_the_capture_whole(
     drop()
     del x
     gc.collect()
-    assert watch() is None and _core._pending_releases()["pending"] == 0
+    assert watch() is not None and _core._pending_releases()["pending"] == 1
     assert late.end_capture(capture) and late.violations == 0
+    assert _core._pending_releases()["pending"] == 1  # recorded now, on S2 outside the capture
+    late.run_stream(S2)
+    gc.collect()
+    assert watch() is None and _core._pending_releases()["pending"] == 0
 
 
 def test_collecting_releases_leaves_another_threads_global_capture_whole(late):
@@ -425,3 +432,168 @@ def test_exit_waits_a_bounded_time_for_pending_releases(run_later):
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["pending", "1", "exiting"] + (["released"] if run_later else [])
+
+
+def fill_to_the_bound(cudart, first_kernel=None):
+    """CDL_PENDING_LIMIT dropped tensors whose releases wait for S2 (which never runs); returns a weakref to the
+    oldest one's owner and a host buffer (kept registered) for one more."""
+    limit = _core._pending_releases()["limit"]
+    host = np.zeros(limit + 1, dtype=np.float32)
+    register(cudart, host, DEVICE)
+    if first_kernel is not None:
+        cudart.launch_kernel(S2, first_kernel)
+    first = CaiArray(host[0:1])
+    watch = weakref.ref(first)
+    consume(cai2dlpack(first, stream=S2, max_version=(1, 0)))[1]()
+    del first
+    for i in range(1, limit):
+        consume(cai2dlpack(CaiArray(host[i:i + 1]), stream=S2, max_version=(1, 0)))[1]()
+    gc.collect()
+    assert _core._pending_releases()["pending"] == limit and watch() is not None
+    return watch, host, limit
+
+
+def test_a_refused_wait_past_the_bound_keeps_the_release_pending(late):
+    """Past CDL_PENDING_LIMIT the oldest release waits for its event; a wait the runtime refuses (900, as CUDA
+    answers while a capture prohibits it, or any other error) keeps that release pending: its owner lives on while
+    the consumer's stream has not run what it queued before the drop."""
+    watch, host, limit = fill_to_the_bound(late)
+    late.fail("cudaEventSynchronize", 900)
+    consume(cai2dlpack(CaiArray(host[limit:]), stream=S2, max_version=(1, 0)))[1]()
+    gc.collect()
+    assert late.queued(S2) > 0  # S2 never ran: its work before the first drop is still queued
+    assert watch() is not None, "released while the consumer's stream had not run past the drop"
+
+
+def test_the_wait_past_the_bound_is_made_in_relaxed_capture_mode(late):
+    """cudaEventSynchronize is one of the calls a capture prohibits (the thread's own non-relaxed capture, or any
+    other thread's global-mode capture: 900, and that capture invalidated), as cudaEventQuery is: the wait past the
+    bound is made in relaxed mode, seen by the kernel the wait runs, which looks at the waiting thread's mode."""
+    modes = []
+    watch, host, limit = fill_to_the_bound(late, first_kernel=lambda: modes.append(late.thread_capture_mode))
+    capture = late.begin_capture(0x7777, 0, GLOBAL, other_thread=True)  # PyTorch's default, another thread
+    consume(cai2dlpack(CaiArray(host[limit:]), stream=S2, max_version=(1, 0)))[1]()
+    assert modes, "the wait ran nothing"
+    assert modes == [RELAXED], f"cudaEventSynchronize made in mode {modes[0]} while another thread captures globally"
+    late.end_capture(capture)
+
+
+def test_a_drop_while_the_consumers_stream_captures_waits_for_the_work_queued_before_the_capture(late):
+    """Converted outside any capture, a kernel queued on C, then C begins a capture and the tensor is dropped: the
+    kernel queued before the capture is ordinary work still to run, so the release stays pending (no event can be
+    recorded in the capture) until C is outside the capture and has run that work."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    data, drop, stream = through_shim(x)
+    seen = []
+    late.launch_kernel(S2, lambda: seen.append(read(data)))
+    capture = late.begin_capture(S2, 0, THREAD_LOCAL)
+    drop()
+    del x
+    gc.collect()
+    later = pool.take(NEXT)
+    late.end_capture(capture)
+    late.run_stream(S2)
+    np.testing.assert_array_equal(seen[0], ORIGINAL)
+    del later
+
+
+def test_a_legacy_stream_drop_while_another_thread_captures_waits_for_the_work_queued_before(late):
+    """Consumer stream 1 (cai2dlpack(obj), None): a kernel queued on the legacy stream, then another thread
+    begins capturing a blocking stream and the tensor is dropped. The capture query of the legacy stream answers
+    906 (nothing can be recorded there now): the release stays pending until the legacy stream ran the kernel."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    data, drop, stream = through_cai2dlpack_without_keywords(x)
+    assert stream == 1
+    seen = []
+    late.launch_kernel(1, lambda: seen.append(read(data)))
+    capture = late.begin_capture(0x7777, 0, GLOBAL, blocking=True, other_thread=True)
+    drop()
+    del x
+    gc.collect()
+    later = pool.take(NEXT)
+    late.end_capture(capture)
+    late.run_stream(1)
+    np.testing.assert_array_equal(seen[0], ORIGINAL)
+    del later
+
+
+def test_a_release_is_made_when_its_stream_reaches_it_without_another_conversion(late):
+    """A stream that completes after the drop's pending call ran: the release is made when the stream reaches it
+    (a host function queued after the event schedules the pending call), not at some later conversion or deleter,
+    which a program that stops converting never makes."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    watch = weakref.ref(x)
+    data, drop, stream = through_shim(x)
+    late.launch_kernel(S2, lambda: None)
+    drop()
+    del x
+    for _ in range(1000):  # the pending call runs here, before the stream did
+        pass
+    time.sleep(0.01)
+    late.run_stream(S2)  # the device got to it
+    deadline = time.monotonic() + 0.5
+    while watch() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        gc.collect()
+    assert watch() is None, "released only at a later conversion"
+
+
+def test_a_completed_release_is_not_held_behind_an_older_one_on_another_stream(late):
+    """A release whose stream has run is made though an older one on another stream is still pending (issue 34:
+    'completed releases are collected without blocking')."""
+    S3 = 0x5800
+    late.add_stream(S3, 0)
+    pool = Pool(late)
+    older = pool.take(ORIGINAL)
+    capsule = DLPackShim(older).__dlpack__(stream=S3, max_version=(1, 0))
+    late.launch_kernel(S3, lambda: None)  # S3 is busy for a long time
+    consume(capsule)[1]()
+    del older, capsule
+    x = pool.take(ORIGINAL)
+    watch = weakref.ref(x)
+    data, drop, stream = through_shim(x)
+    late.launch_kernel(S2, lambda: None)
+    drop()
+    del x
+    late.run_stream(S2)  # the consumer's stream of x has run past the drop
+    gc.collect()
+    info = _core._pending_releases()
+    assert watch() is None, f"x's release completed but is held behind S3's: {info}"
+
+
+def test_the_double_refuses_an_event_synchronize_that_a_capture_prohibits(cudart):
+    """The double's fidelity: cudaEventSynchronize, the blocking form of cudaEventQuery, is refused (900, the
+    capture invalidated) where the thread's mode prohibits it, as cudaEventQuery and cudaStreamSynchronize are:
+    else no test on the double could see the bound's wait breaking another thread's global capture."""
+    import ctypes
+    lib = cudart.lib
+    event = ctypes.c_void_p()
+    assert lib.cudaEventCreateWithFlags(ctypes.byref(event), 2) == 0
+    capture = cudart.begin_capture(0x7777, 0, GLOBAL, other_thread=True)
+    assert lib.cudaEventQuery(event) == 900  # judged
+    lib.cudaGetLastError()
+    cudart.end_capture(capture)
+    capture = cudart.begin_capture(0x7777, 0, GLOBAL, other_thread=True)
+    assert lib.cudaEventSynchronize(event) == 900, "cudaEventSynchronize is not judged by the thread's mode"
+    lib.cudaGetLastError()
+    cudart.end_capture(capture)
+
+
+def test_a_refused_host_function_leaves_the_release_to_the_next_collection_and_no_error_behind(late):
+    """Where the runtime refuses the host function that schedules the pending call, the release is still made once
+    its stream has run, by the next collection, and the refusal is not left as the runtime's last error."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    watch = weakref.ref(x)
+    data, drop, stream = through_shim(x)
+    late.launch_kernel(S2, lambda: None)
+    late.fail("cudaLaunchHostFunc", 2)
+    drop()
+    del x
+    assert late.last_error == 0
+    assert any(line.startswith("cudaLaunchHostFunc(") for line in late.log())  # the refusal was met
+    late.run_stream(S2)
+    assert _core._pending_releases()["pending"] == 0 and watch() is None

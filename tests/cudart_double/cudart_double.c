@@ -1251,6 +1251,8 @@ API cudaError_t cudaEventSynchronize(cudaEvent_t event)
     int id = event_id(event);
     note("cudaEventSynchronize(ev%d)", id);
     int code = injected("cudaEventSynchronize");
+    if (code == 0)
+        code = unsafe_call("cudaEventSynchronize"); /* the blocking form of cudaEventQuery, prohibited alike */
     if (code == 0 && (id <= 0 || id >= MAX_EVENTS || event_device[id] == 0))
         code = last_error = INVALID_RESOURCE_HANDLE;
     if (code == 0) {
