@@ -153,7 +153,7 @@ typedef struct op {
     void *argument;
     struct op *next;
 } op;
-#define MAX_QUEUES 64
+#define MAX_QUEUES 256
 static struct { uintptr_t handle; op *head, *tail; } queues[MAX_QUEUES];
 static int queue_count;
 static int late;
@@ -330,6 +330,14 @@ static int queue_of(uintptr_t handle)
     for (int i = 0; i < queue_count; i++)
         if (queues[i].handle == handle)
             return i;
+    /* Past MAX_QUEUES streams an empty queue is taken over: it holds nothing of its stream's (a test may use
+     * more streams than that, over a run or at once). Only MAX_QUEUES streams with queued work are too many. */
+    for (int i = 0; queue_count == MAX_QUEUES && i < queue_count; i++) {
+        if (queues[i].head == NULL) {
+            queues[i].handle = handle;
+            return i;
+        }
+    }
     if (queue_count == MAX_QUEUES)
         abort();
     queues[queue_count].handle = handle;
@@ -426,11 +434,14 @@ static int run_one(int q)
     return 1;
 }
 
-static void run_queue(uintptr_t handle)
+/* Runs stream handle's queue to its end; returns how many operations ran. A host function runs unlocked, and
+ * meanwhile the emptied queue may be taken over by another stream: the run stops there. */
+static int run_queue(uintptr_t handle)
 {
-    int q = queue_of(handle);
-    while (run_one(q))
-        ;
+    int ran = 0, q = queue_of(handle);
+    while (queues[q].handle == handle && run_one(q))
+        ran++;
+    return ran;
 }
 
 static void run_all(void)
@@ -1304,6 +1315,7 @@ API void double_reset(void)
         }
         queues[q].tail = NULL;
     }
+    queue_count = 0;
     for (int id = 0; id < MAX_EVENTS; id++)
         event_reached[id] = event_recorded[id]; /* what was queued never runs: its events are done */
     late = sync_calls = 0;
@@ -1326,9 +1338,7 @@ API void double_set_late(int on)
 API int double_run_stream(uintptr_t handle)
 {
     pthread_mutex_lock(&lock);
-    int ran = 0, q = queue_of(handle);
-    while (run_one(q))
-        ran++;
+    int ran = run_queue(handle);
     pthread_mutex_unlock(&lock);
     return ran;
 }
