@@ -119,7 +119,7 @@ def test_a_new_thread_with_a_dead_threads_ident_reads_afresh(cudart, device_arra
     # A few tries for a thread that gets the reader's ident (glibc reuses it at once); each try that does not
     # leaves the reading in place, since only a __dlpack__ takes it.
     results = []
-    for _ in range(20):
+    for _ in range(200):
         def convert_if_same_ident():
             if threading.get_ident() == first["ident"]:
                 results.append(dlpack2cai(shim.__dlpack__(max_version=(1, 0))).shape)
@@ -128,6 +128,9 @@ def test_a_new_thread_with_a_dead_threads_ident_reads_afresh(cudart, device_arra
         worker.join()
         if results:
             break
+    if not results:
+        # (AddressSanitizer's thread stacks, hence pthread idents, are not handed out again at once)
+        pytest.skip("no new thread got the finished thread's ident in 200 tries: nothing to check")
     assert results == [(4, 5)]  # the array as it is now, not the dead thread's reading of the old one
     assert producer.reads == 2
 
