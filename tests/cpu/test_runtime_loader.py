@@ -66,6 +66,7 @@ VIEW_PROBE = textwrap.dedent("""
         print("ERROR", type(error).__name__, error)
     else:
         print("EXPORTED")
+    del view  # before made, whose ctypes deleter the view calls (at exit the collector may free either first)
 """).format(tests=os.path.join(os.path.dirname(__file__), os.pardir))
 
 
