@@ -130,6 +130,16 @@ DOORS = {"DLPackShim": through_shim, "cai2dlpack": through_cai2dlpack,
          "C API": through_c_api, "exchange API": through_exchange_api}
 
 
+def shim_tensor_with_work_queued(late, pool):
+    """A fresh producer array of pool taken through the shim for S2, and a kernel queued on S2 after it: (a weakref
+    to the array, the tensor's drop). Nothing else holds the array."""
+    x = pool.take(ORIGINAL)
+    watch = weakref.ref(x)
+    _, drop, _ = through_shim(x)
+    late.launch_kernel(S2, lambda: None)
+    return watch, drop
+
+
 def kernel_after_drop(cudart, door):
     """The issue's example: a kernel queued on the consumer's stream, the tensor and the producer's array dropped,
     the producer's pool asked for a block of the same size; then the device runs the kernel. Returns what the kernel
@@ -172,12 +182,8 @@ def test_without_ordered_release_the_kernel_reads_reused_memory(late, door):
 def test_release_waits_for_the_consumers_stream_only(late):
     """Pending until the consumer's stream runs past the drop; another stream's run releases nothing."""
     pool = Pool(late)
-    x = pool.take(ORIGINAL)
-    watch = weakref.ref(x)
-    data, drop, stream = through_shim(x)
-    late.launch_kernel(S2, lambda: None)
+    watch, drop = shim_tensor_with_work_queued(late, pool)
     drop()
-    del x
     gc.collect()
     assert watch() is not None and _core._pending_releases()["pending"] == 1
     late.run_stream(S1)
@@ -524,12 +530,8 @@ def test_a_release_is_made_when_its_stream_reaches_it_without_another_conversion
     (a host function queued after the event schedules the pending call), not at some later conversion or deleter,
     which a program that stops converting never makes."""
     pool = Pool(late)
-    x = pool.take(ORIGINAL)
-    watch = weakref.ref(x)
-    data, drop, stream = through_shim(x)
-    late.launch_kernel(S2, lambda: None)
+    watch, drop = shim_tensor_with_work_queued(late, pool)
     drop()
-    del x
     for _ in range(1000):  # the pending call runs here, before the stream did
         pass
     time.sleep(0.01)
@@ -552,12 +554,8 @@ def test_a_completed_release_is_not_held_behind_an_older_one_on_another_stream(l
     late.launch_kernel(S3, lambda: None)  # S3 is busy for a long time
     consume(capsule)[1]()
     del older, capsule
-    x = pool.take(ORIGINAL)
-    watch = weakref.ref(x)
-    data, drop, stream = through_shim(x)
-    late.launch_kernel(S2, lambda: None)
+    watch, drop = shim_tensor_with_work_queued(late, pool)
     drop()
-    del x
     late.run_stream(S2)  # the consumer's stream of x has run past the drop
     gc.collect()
     info = _core._pending_releases()
@@ -586,13 +584,9 @@ def test_a_refused_host_function_leaves_the_release_to_the_next_collection_and_n
     """Where the runtime refuses the host function that schedules the pending call, the release is still made once
     its stream has run, by the next collection, and the refusal is not left as the runtime's last error."""
     pool = Pool(late)
-    x = pool.take(ORIGINAL)
-    watch = weakref.ref(x)
-    data, drop, stream = through_shim(x)
-    late.launch_kernel(S2, lambda: None)
+    watch, drop = shim_tensor_with_work_queued(late, pool)
     late.fail("cudaLaunchHostFunc", 2)
     drop()
-    del x
     assert late.last_error == 0
     assert any(line.startswith("cudaLaunchHostFunc(") for line in late.log())  # the refusal was met
     late.run_stream(S2)
