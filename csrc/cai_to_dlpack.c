@@ -747,18 +747,26 @@ static int cdl_interface_attribute(PyObject *obj, PyObject *name, int generic, P
     return cdl_lookup_attribute(obj, name, value);
 }
 
-/* cdl_array_from_object of an object, not a dict; cai and array: its type's attributes of the two names when
- * its attribute access is the generic one (strong references, or NULL), else NULL both. */
+/* cdl_array_from_object of an object, not a dict; cai: its type's attribute of that name when its attribute
+ * access is the generic one (a strong reference, or NULL), else NULL. *array: the same of __array_interface__,
+ * looked up here only when the CUDA interface is not a data descriptor of the type (a CUDA producer's property
+ * answers first: its type is not asked for the host interface). */
 static int cdl_array_from_attributes(PyObject *obj, const DLDataType *requested, cdl_array *out,
-                                     PyObject **keepalive, int generic, PyObject *cai, PyObject *array)
+                                     PyObject **keepalive, int generic, PyObject *cai, PyObject **array_of_type)
 {
     PyObject *iface;
     cdl_source source = CDL_SOURCE_CAI;
     int found = -2;
+    const int cai_answers = cai != NULL && Py_TYPE(cai)->tp_descr_get != NULL && Py_TYPE(cai)->tp_descr_set != NULL;
+    if (generic && !cai_answers)
+        *array_of_type = cdl_type_lookup(Py_TYPE(obj), cdl_name.array_interface);
+    PyObject *array = *array_of_type;
     if (generic && Py_TYPE(obj)->tp_dictoffset != 0 && cai == NULL && array == NULL)
         found = cdl_instance_interface(obj, &iface, &source);
     if (found == -2) {
         found = cdl_interface_attribute(obj, cdl_name.cuda_array_interface, generic, cai, &iface);
+        if (found == 0 && generic && cai_answers)
+            array = *array_of_type = cdl_type_lookup(Py_TYPE(obj), cdl_name.array_interface);
         if (found == 0) {
             if (requested == NULL && cdl_has_native_array_buffer(obj, generic, array)) {
                 *keepalive = NULL;
@@ -790,8 +798,8 @@ int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array 
     PyTypeObject *type = Py_TYPE(obj);
     const int generic = type->tp_getattro == PyObject_GenericGetAttr;
     PyObject *cai = generic ? cdl_type_lookup(type, cdl_name.cuda_array_interface) : NULL;
-    PyObject *array = generic ? cdl_type_lookup(type, cdl_name.array_interface) : NULL;
-    int status = cdl_array_from_attributes(obj, requested, out, keepalive, generic, cai, array);
+    PyObject *array = NULL;
+    int status = cdl_array_from_attributes(obj, requested, out, keepalive, generic, cai, &array);
     Py_XDECREF(cai);
     Py_XDECREF(array);
     return status;
