@@ -280,6 +280,25 @@ def test_a_dict_only_the_call_holds_reads_as_a_dict_held_elsewhere(cudart, iface
         _core._set_interface_cache(True)
 
 
+@pytest.mark.parametrize("pointer", [1, 2**30 - 8, 2**30, 2**30 + 8, 2**31, 2**59 + 2**30 + 8, 2**60 - 8, 2**60,
+                                     2**60 + 8, 2**63, 2**64 - 8, 2**64, 2**64 + 8, -8, -(2**40)])
+def test_pointers_of_every_size_read_alike_on_both_paths(pointer):
+    """An int of one, two or three 30-bit digits, at each edge, as 'data'[0] of a dict the call alone holds and
+    of a dict held elsewhere: the same address in the tensor, or the same refusal."""
+    iface = {"shape": (2,), "typestr": "<f4", "descr": [("", "<f4")], "version": 3, "strides": None,
+             "data": (pointer, False)}
+    _core._set_interface_cache(False)
+    try:
+        fresh, held = _capsule_outcome(cai2dlpack, FreshArrayHolder(iface)), _capsule_outcome(cai2dlpack, Holder(iface))
+    finally:
+        _core._set_interface_cache(True)
+    assert fresh == held
+    if 0 < pointer <= 2**64 - 8:
+        assert dlpack2cai(cai2dlpack(FreshArrayHolder(iface))).__array_interface__["data"][0] == pointer
+    else:
+        assert fresh[0] in (ValueError, BufferError)
+
+
 @FUZZ
 @given(st.one_of(st.sampled_from([RuntimeError("x"), AttributeError("y"), KeyError("z"), MemoryError()]),
                  junk.map(lambda value: ValueError(value))))
