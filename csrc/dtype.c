@@ -68,6 +68,9 @@ static char cdl_supported_text[32 * CDL_DTYPE_COUNT];
 /* The row of each (kind letter, item size 1 to 16 as its log2) with a typestr of its own: derived from the
  * table at init, so a typestr costs an index, not a scan. -1: none. */
 static signed char cdl_row_of_kind[26][5];
+/* The first row whose buffer format is this one ASCII character, or -1: a buffer's format read without a walk of
+ * the table (NumPy's arrays give one character). */
+static signed char cdl_row_of_format[128];
 
 /* log2 of an item size the index holds (1, 2, 4, 8, 16), else -1. */
 static int cdl_size_slot(Py_ssize_t itemsize)
@@ -90,6 +93,12 @@ int cdl_dtype_init(void)
         char kind = cdl_dtype_table[i].kind;
         if (kind >= 'a' && kind <= 'z' && slot >= 0 && cdl_row_of_kind[kind - 'a'][slot] < 0)
             cdl_row_of_kind[kind - 'a'][slot] = (signed char)i;
+    }
+    memset(cdl_row_of_format, -1, sizeof(cdl_row_of_format));
+    for (size_t i = CDL_DTYPE_COUNT; i-- > 0;) {
+        const char *format = cdl_dtype_table[i].format;
+        if (format != NULL && (unsigned char)format[0] < 128 && format[0] != '\0' && format[1] == '\0')
+            cdl_row_of_format[(unsigned char)format[0]] = (signed char)i;
     }
     for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
         cdl_typestr_objects[i] = PyUnicode_InternFromString(cdl_dtype_table[i].typestr);
@@ -358,6 +367,11 @@ int cdl_dtype_from_format(const char *format, Py_ssize_t itemsize, DLDataType *o
     if (*format == '@' || *format == '=' || *format == '<')
 #endif
         format++;
+    if ((unsigned char)format[0] < 128 && format[0] != '\0' && format[1] == '\0') {
+        const int row = cdl_row_of_format[(unsigned char)format[0]];
+        if (row >= 0 && cdl_dtype_table[row].itemsize == itemsize)
+            return cdl_dtype_from_kind(cdl_dtype_table[row].kind, itemsize, out);
+    }
     size_t length = strlen(format);
     for (size_t i = 0; i < CDL_DTYPE_COUNT; i++) {
         const char *known = cdl_dtype_table[i].format;
