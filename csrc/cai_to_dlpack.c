@@ -446,6 +446,25 @@ static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *ou
     }
 }
 
+/* How many dicts the fused reader read (its own, not the general reader's): tests tell by it that the dicts real
+ * producers build take the fast path, which is otherwise seen only in its cost. */
+static unsigned long long cdl_fused_reads;
+
+static inline void cdl_count_fused_read(void)
+{
+#ifdef Py_GIL_DISABLED
+    __atomic_fetch_add(&cdl_fused_reads, 1, __ATOMIC_RELAXED);
+#else
+    cdl_fused_reads++;
+#endif
+}
+
+PyObject *cdl_fused_reads_count(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&cdl_fused_reads, __ATOMIC_RELAXED));
+}
+
 int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, const DLDataType *requested,
                              cdl_array *out, PyObject **keepalive)
 {
@@ -457,8 +476,10 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
     }
     /* A dict only this call holds is never kept, so the kept records are not asked about it. */
     if (requested == NULL && Py_REFCNT(iface) == 1 && PyDict_CheckExact(iface) &&
-        cdl_read_fresh_dict(iface, source, out))
+        cdl_read_fresh_dict(iface, source, out)) {
+        cdl_count_fused_read();
         return cdl_set_device(out, source);
+    }
     if (requested == NULL && cdl_cache_find(iface, source, out))
         return cdl_set_device(out, source);
     const uint64_t dict_version = cdl_cache_version(iface);

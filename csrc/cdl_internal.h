@@ -487,6 +487,9 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
 /* Reads obj's __cuda_array_interface__ (else __array_interface__; a dict is a CAI dict) into *out,
  * device included, its type the caller's requested one when not NULL. Same contract as above. */
 int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive);
+/* _core._fused_reads(): how many interface dicts only their conversion held the fused reader has read (for tests
+ * that real producers' dicts take the fast path). */
+PyObject *cdl_fused_reads_count(PyObject *module, PyObject *unused);
 /* The object whose buffer a keepalive of cdl_array_from_object holds (a memoryview, or a buffer hold of a native
  * array's own buffer); borrowed. */
 PyObject *cdl_keepalive_exporter(PyObject *keepalive);

@@ -82,6 +82,10 @@ static PyMethodDef cdl_module_methods[] = {
      "_set_interface_cache($module, enabled, /)\n--\n\n"
      "Keeps validated interface dicts (True, the default) or reads every dict afresh (False), for benchmarks "
      "and tests; returns _interface_cache_info()."},
+    {"_fused_reads", cdl_fused_reads_count, METH_NOARGS,
+     "_fused_reads($module, /)\n--\n\n"
+     "How many interface dicts only their conversion held (a property's fresh dict) were read by the fused "
+     "reader rather than the general one, since import (for tests)."},
     {"_pending_releases", cdl_pending_releases, METH_NOARGS,
      "_pending_releases($module, /)\n--\n\n"
      "Makes the releases whose consumer stream has run, then returns how many still wait (pending), the bound "

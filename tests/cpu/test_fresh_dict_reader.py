@@ -1,0 +1,207 @@
+"""The dicts real producers build on every access (CuPy, Numba, PyTorch, RMM: a property returning a new dict)
+are read by the fused reader, and every dict it must not read the common way goes to the general reader: counted
+by _core._fused_reads(), with the same tensor or the same error as a dict held elsewhere (which the general
+reader always reads). Which reader ran is otherwise seen only in a conversion's cost."""
+import copy
+
+import numpy as np
+import pytest
+
+from cai_dlpack import DLPackShim, _core, cai2dlpack
+from support.dlpack_ctypes import read_capsule
+
+BUFFER = np.zeros(1 << 12, dtype=np.uint8)
+BASE = BUFFER.ctypes.data + 64
+
+
+class Int(int):
+    pass
+
+
+class Fresh:
+    """A new dict on each access, as a producer's property builds it."""
+
+    def __init__(self, iface):
+        self.iface = iface
+
+    @property
+    def __array_interface__(self):
+        return copy.copy(self.iface)
+
+
+class FreshCuda(Fresh):
+    @property
+    def __cuda_array_interface__(self):
+        return copy.copy(self.iface)
+
+
+class Held:
+    def __init__(self, iface):
+        self.__array_interface__ = iface
+
+
+class HeldCuda:
+    def __init__(self, iface):
+        self.__cuda_array_interface__ = iface
+
+
+def cupy_shaped(**changes):
+    """CuPy's dict, key for key in its order (cupy/_core/core.pyx), for a C-contiguous 3x4 float32 array."""
+    iface = {"shape": (3, 4), "typestr": "<f4", "descr": [("", "<f4")], "stream": 1, "version": 3,
+             "strides": None, "data": (BASE, False)}
+    for key, value in changes.items():
+        if value is KeyError:
+            iface.pop(key)
+        else:
+            iface[key] = value
+    return iface
+
+
+def outcome(convert, producer):
+    try:
+        return read_capsule(convert(producer))
+    except (TypeError, ValueError, BufferError) as error:
+        return type(error), str(error).replace(type(producer).__name__, "<producer>")
+
+
+def versioned(obj):
+    return cai2dlpack(obj, max_version=(1, 0))
+
+
+def reads(iface, device, convert=versioned):
+    """(whether the fused reader read iface, the outcome), after checking that outcome is the general reader's."""
+    fresh_type, held_type = (FreshCuda, HeldCuda) if device else (Fresh, Held)
+    _core._set_interface_cache(False)
+    try:
+        held = outcome(convert, held_type(copy.copy(iface)))
+        before = _core._fused_reads()
+        fresh = outcome(convert, fresh_type(iface))
+        fused = _core._fused_reads() - before
+    finally:
+        _core._set_interface_cache(True)
+    assert fused in (0, 1)
+    assert fresh == held
+    return fused == 1, fresh
+
+
+@pytest.fixture
+def device(cudart):
+    cudart.reset()
+    cudart.add_region(BUFFER.ctypes.data, BUFFER.nbytes, 2, 0)
+    return True
+
+
+TAKEN = {
+    "CuPy's dict": cupy_shaped(),
+    "Numba's keys": {"shape": (3, 4), "strides": None, "data": (BASE, False), "typestr": "<f4", "stream": 1,
+                     "version": 3},
+    "PyTorch's keys": {"typestr": "<f4", "shape": (3, 4), "strides": (16, 4), "data": (BASE, False),
+                       "version": 2},
+    "version 0": cupy_shaped(version=0),
+    "read-only data": cupy_shaped(data=(BASE, True)),
+    "a 0-d array": cupy_shaped(shape=()),
+    "an empty array": cupy_shaped(shape=(0, 4)),
+    "an empty array at NULL": cupy_shaped(shape=(3, 0), data=(0, False)),
+    "strides in bytes": cupy_shaped(strides=(4, 12)),
+    "negative strides": cupy_shaped(strides=(-16, -4), data=(BASE + 44, False)),
+    "a stride of any size where the extent is 1": cupy_shaped(shape=(1, 4), strides=(7, 4)),
+    "strides of a dimension of extent 0": cupy_shaped(shape=(0, 4), strides=(3, 4)),
+    "a typestr no three characters name": cupy_shaped(typestr="<c16", descr=[("", "<c16")]),
+    "a mask of None": cupy_shaped(mask=None),
+    "an offset": cupy_shaped(offset=8),
+    "no stream key": cupy_shaped(stream=KeyError),
+    "stream None": cupy_shaped(stream=None),
+    "the per-thread stream": cupy_shaped(stream=2),
+    "a stream handle of many digits": cupy_shaped(stream=0x7F3A_2C00_1000),
+    "the largest stream handle": cupy_shaped(stream=2**63 - 1),
+    "no descr": cupy_shaped(descr=KeyError),
+    "a pointer of three digits": cupy_shaped(data=(2**61, False)),
+}
+
+
+@pytest.mark.parametrize("iface", TAKEN.values(), ids=TAKEN.keys())
+@pytest.mark.parametrize("door", ["cai2dlpack", "DLPackShim"])
+def test_producers_fresh_dicts_take_the_fused_reader(iface, door):
+    convert = versioned if door == "cai2dlpack" else (lambda obj: DLPackShim(obj).__dlpack__(max_version=(1, 0)))
+    fused, tensor = reads(iface, device=False, convert=convert)
+    assert fused and isinstance(tensor, dict), tensor
+
+
+@pytest.mark.parametrize("iface", TAKEN.values(), ids=TAKEN.keys())
+def test_on_the_device_path_too(device, iface):
+    if iface["data"][0] >= 2**61:
+        iface = dict(iface, data=(BASE, False))  # the double knows only the buffer's range
+    fused, tensor = reads(iface, device=True)
+    assert fused and isinstance(tensor, dict), tensor
+
+
+LEFT = {
+    "another key": cupy_shaped(other=1),
+    "a mask": cupy_shaped(mask=(BASE, False)),
+    "a key of ours as another str": {"".join(["sha", "pe"]) if key == "shape" else key: value
+                                     for key, value in cupy_shaped().items()},
+    "no version": cupy_shaped(version=KeyError),
+    "version 4": cupy_shaped(version=4),
+    "version -1": cupy_shaped(version=-1),
+    "version True": cupy_shaped(version=True),
+    "version an int subclass": cupy_shaped(version=Int(3)),
+    "version of two digits": cupy_shaped(version=2**40),
+    "no shape": cupy_shaped(shape=KeyError),
+    "a shape list": cupy_shaped(shape=[3, 4]),
+    "a negative extent": cupy_shaped(shape=(3, -4)),
+    "an extent True": cupy_shaped(shape=(3, True)),
+    "an extent of two digits": cupy_shaped(shape=(3, 2**40)),
+    "65 dimensions": cupy_shaped(shape=(1,) * 65),
+    "no typestr": cupy_shaped(typestr=KeyError),
+    "a typestr not a str": cupy_shaped(typestr=b"<f4"),
+    "a typestr DLPack has no type for": cupy_shaped(typestr="|V4"),
+    "a typestr of another byte order": cupy_shaped(typestr=">f4"),
+    "no data": cupy_shaped(data=KeyError),
+    "data a list": cupy_shaped(data=[BASE, False]),
+    "data of three items": cupy_shaped(data=(BASE, False, 0)),
+    "a read-only flag not a bool": cupy_shaped(data=(BASE, 0)),
+    "a pointer an int subclass": cupy_shaped(data=(Int(BASE), False)),
+    "a NULL pointer with elements": cupy_shaped(data=(0, False)),
+    "a negative pointer": cupy_shaped(data=(-8, False)),
+    "a pointer past 64 bits": cupy_shaped(data=(2**64, False)),
+    "an extent past the address space": cupy_shaped(data=(2**64 - 16, False)),
+    "strides a list": cupy_shaped(strides=[16, 4]),
+    "strides of the wrong length": cupy_shaped(strides=(4,)),
+    "strides not whole items": cupy_shaped(strides=(16, 3)),
+    "a stride of two digits": cupy_shaped(strides=(2**40, 4)),
+    "strides past the address space": cupy_shaped(strides=(2**61, 4)),
+    "elements past 64 bits": cupy_shaped(shape=(2**29, 2**29, 2**29), strides=None),
+}
+
+
+@pytest.mark.parametrize("iface", LEFT.values(), ids=LEFT.keys())
+def test_dicts_it_does_not_read_the_common_way_go_to_the_general_reader(iface):
+    fused, _ = reads(iface, device=False)
+    assert not fused
+
+
+DEVICE_LEFT = {
+    "stream 0": cupy_shaped(stream=0),
+    "stream -1": cupy_shaped(stream=-1),
+    "stream True": cupy_shaped(stream=True),
+    "a stream handle past 63 bits": cupy_shaped(stream=2**63),
+    "a stream an int subclass": cupy_shaped(stream=Int(1)),
+    "a stream of another type": cupy_shaped(stream="1"),
+}
+
+
+@pytest.mark.parametrize("iface", DEVICE_LEFT.values(), ids=DEVICE_LEFT.keys())
+def test_cuda_streams_it_does_not_read_go_to_the_general_reader(device, iface):
+    fused, _ = reads(iface, device=True)
+    assert not fused
+    # The host interface ignores 'stream': the same dict is the fused reader's there.
+    assert reads(iface, device=False)[0]
+
+
+def test_a_dtype_asked_for_or_a_dict_held_elsewhere_is_never_the_fused_readers():
+    before = _core._fused_reads()
+    cai2dlpack(Fresh(cupy_shaped()), dtype="float32")
+    iface = cupy_shaped()
+    held = Held(iface)
+    cai2dlpack(held)
+    assert _core._fused_reads() == before
