@@ -68,19 +68,34 @@ def versioned(obj):
     return cai2dlpack(obj, max_version=(1, 0))
 
 
-def reads(iface, device, convert=versioned):
-    """(whether the fused reader read iface, the outcome), after checking that outcome is the general reader's."""
-    fresh_type, held_type = (FreshCuda, HeldCuda) if device else (Fresh, Held)
+def reads(iface, cudart=None, convert=versioned):
+    """(whether the fused reader read iface, the outcome), after checking that the outcome is the general reader's
+    and, on the device path (cudart: the runtime double), so are the runtime calls the conversion made."""
+    fresh_type, held_type = (FreshCuda, HeldCuda) if cudart is not None else (Fresh, Held)
+    calls = []
+
+    def converted(producer):
+        if cudart is not None:
+            cudart.clear_log()
+        try:
+            return outcome(convert, producer)
+        finally:
+            if cudart is not None:
+                calls.append(cudart.log())
+
     _core._set_interface_cache(False)
     try:
-        held = outcome(convert, held_type(copy.copy(iface)))
+        converted(held_type(copy.copy(iface)))  # first calls set up once (driver entry points, the event pool)
+        held = converted(held_type(copy.copy(iface)))
         before = _core._fused_reads()
-        fresh = outcome(convert, fresh_type(iface))
+        fresh = converted(fresh_type(iface))
         fused = _core._fused_reads() - before
     finally:
         _core._set_interface_cache(True)
     assert fused in (0, 1)
     assert fresh == held
+    if cudart is not None:
+        assert calls[1] == calls[2]
     return fused == 1, fresh
 
 
@@ -88,7 +103,7 @@ def reads(iface, device, convert=versioned):
 def device(cudart):
     cudart.reset()
     cudart.add_region(BUFFER.ctypes.data, BUFFER.nbytes, 2, 0)
-    return True
+    return cudart
 
 
 TAKEN = {
@@ -123,15 +138,18 @@ TAKEN = {
 @pytest.mark.parametrize("door", ["cai2dlpack", "DLPackShim"])
 def test_producers_fresh_dicts_take_the_fused_reader(iface, door):
     convert = versioned if door == "cai2dlpack" else (lambda obj: DLPackShim(obj).__dlpack__(max_version=(1, 0)))
-    fused, tensor = reads(iface, device=False, convert=convert)
+    fused, tensor = reads(iface, convert=convert)
     assert fused and isinstance(tensor, dict), tensor
 
 
 @pytest.mark.parametrize("iface", TAKEN.values(), ids=TAKEN.keys())
-def test_on_the_device_path_too(device, iface):
+@pytest.mark.parametrize("consumer", [None, 1, 2, -1])
+def test_on_the_device_path_too_with_the_same_stream_ordering(device, iface, consumer):
+    """The same tensor and the same runtime calls (the stream ordering the producer's stream, or its absence,
+    asks for) for each consumer stream."""
     if iface["data"][0] >= 2**61:
         iface = dict(iface, data=(BASE, False))  # the double knows only the buffer's range
-    fused, tensor = reads(iface, device=True)
+    fused, tensor = reads(iface, device, lambda obj: cai2dlpack(obj, stream=consumer, max_version=(1, 0)))
     assert fused and isinstance(tensor, dict), tensor
 
 
@@ -176,7 +194,7 @@ LEFT = {
 
 @pytest.mark.parametrize("iface", LEFT.values(), ids=LEFT.keys())
 def test_dicts_it_does_not_read_the_common_way_go_to_the_general_reader(iface):
-    fused, _ = reads(iface, device=False)
+    fused, _ = reads(iface)
     assert not fused
 
 
@@ -192,10 +210,10 @@ DEVICE_LEFT = {
 
 @pytest.mark.parametrize("iface", DEVICE_LEFT.values(), ids=DEVICE_LEFT.keys())
 def test_cuda_streams_it_does_not_read_go_to_the_general_reader(device, iface):
-    fused, _ = reads(iface, device=True)
+    fused, _ = reads(iface, device)
     assert not fused
     # The host interface ignores 'stream': the same dict is the fused reader's there.
-    assert reads(iface, device=False)[0]
+    assert reads(iface)[0]
 
 
 def test_a_dtype_asked_for_or_a_dict_held_elsewhere_is_never_the_fused_readers():
