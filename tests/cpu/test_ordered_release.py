@@ -20,7 +20,7 @@ from cai_dlpack import DLPackShim, _core, cai2dlpack, dlpack2cai
 from support import doors
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST, RELAXED, THREAD_LOCAL
-from support.dlpack_ctypes import DLManagedTensor, DLManagedTensorVersioned, _api
+from support.dlpack_ctypes import DLManagedTensor, DLManagedTensorVersioned, MadeTensor, _api, kDLCUDA
 
 S1, S2 = 0x5000, 0x6000  # the producer's stream, the consumer's
 N = 8
@@ -591,3 +591,38 @@ def test_a_refused_host_function_leaves_the_release_to_the_next_collection_and_n
     assert any(line.startswith("cudaLaunchHostFunc(") for line in late.log())  # the refusal was met
     late.run_stream(S2)
     assert _core._pending_releases()["pending"] == 0 and watch() is None
+
+
+class ForeignProducer:
+    """Another library's DLPack export of device memory: its tensor's deleter counts its calls."""
+
+    def __init__(self, block):
+        self.made = MadeTensor(data=block.ctypes.data, device=(kDLCUDA, 0), shape=block.shape)
+
+    def __dlpack_device__(self):
+        return (kDLCUDA, 0)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        return self.made.capsule
+
+
+@pytest.mark.parametrize("consumer", [S2, -1])
+def test_a_foreign_tensor_a_view_held_is_deleted_after_its_consumers_work(late, consumer):
+    """A view of another library's tensor, dropped while work queued on the view's stream has not run: that
+    library's deleter runs once the work ran (at once for stream -1, which orders nothing)."""
+    block = np.arange(N, dtype=np.float32)
+    register(late, block, DEVICE)
+    producer = ForeignProducer(block)
+    view = dlpack2cai(producer, stream=consumer)
+    seen = []
+    if consumer != -1:
+        late.launch_kernel(consumer, lambda: seen.append(producer.made.deleted))
+    del view
+    gc.collect()
+    _core._pending_releases()
+    if consumer == -1:
+        assert producer.made.deleted == 1
+        return
+    assert producer.made.deleted == 0
+    drain(late)
+    assert seen == [0] and producer.made.deleted == 1
