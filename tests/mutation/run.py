@@ -351,7 +351,9 @@ def sync_tree():
         if os.path.exists(target) and open(source, "rb").read() == open(target, "rb").read():
             continue
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copy2(source, target)
+        # A new modification time, never the work tree's: an object a mutant's build left is newer than an edit
+        # made in the work tree before it, and a copy that kept the edit's time would not be rebuilt.
+        shutil.copyfile(source, target)
     for entry in SYNCED:
         for folder, dirs, names in os.walk(os.path.join(TREE, entry)):
             dirs[:] = [d for d in dirs if d not in ("__pycache__", ".hypothesis")]
