@@ -82,6 +82,9 @@ static inline int cdl_read_int(PyObject *value, cdl_source source, const char *k
  * which costs a tenth of the runtime's conversion. */
 static inline int cdl_pointer_value(PyObject *value, unsigned long long *out)
 {
+#if PY_VERSION_HEX < 0x030C0000 && !defined(PyLong_SHIFT)
+#error "Python.h gave no PyLong_SHIFT: the digit read below would be compiled out unseen"
+#endif
 #if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
     const Py_ssize_t size = Py_SIZE(value);
     if (size >= 0 && size <= 2) {
@@ -788,24 +791,24 @@ static int cdl_interface_attribute(PyObject *obj, PyObject *name, int generic, P
 }
 
 /* cdl_array_from_object of an object, not a dict; cai: its type's attribute of that name when its attribute
- * access is the generic one (a strong reference, or NULL), else NULL. *array: the same of __array_interface__,
- * looked up here only when the CUDA interface is not a data descriptor of the type (a CUDA producer's property
- * answers first: its type is not asked for the host interface). */
+ * access is the generic one (a strong reference, or NULL), else NULL. *array_of_type: the same of
+ * __array_interface__ (a strong reference the caller releases), looked up only once the CUDA interface is found
+ * missing where the type has one: a CUDA producer's property answers first, and the type is looked up after any
+ * Python code its descriptor ran, as getattr would. */
 static int cdl_array_from_attributes(PyObject *obj, const DLDataType *requested, cdl_array *out,
                                      PyObject **keepalive, int generic, PyObject *cai, PyObject **array_of_type)
 {
     PyObject *iface;
     cdl_source source = CDL_SOURCE_CAI;
     int found = -2;
-    const int cai_answers = cai != NULL && Py_TYPE(cai)->tp_descr_get != NULL && Py_TYPE(cai)->tp_descr_set != NULL;
-    if (generic && !cai_answers)
+    if (generic && cai == NULL)
         *array_of_type = cdl_type_lookup(Py_TYPE(obj), cdl_name.array_interface);
     PyObject *array = *array_of_type;
     if (generic && Py_TYPE(obj)->tp_dictoffset != 0 && cai == NULL && array == NULL)
         found = cdl_instance_interface(obj, &iface, &source);
     if (found == -2) {
         found = cdl_interface_attribute(obj, cdl_name.cuda_array_interface, generic, cai, &iface);
-        if (found == 0 && generic && cai_answers)
+        if (found == 0 && generic && cai != NULL)
             array = *array_of_type = cdl_type_lookup(Py_TYPE(obj), cdl_name.array_interface);
         if (found == 0) {
             if (requested == NULL && cdl_has_native_array_buffer(obj, generic, array)) {

@@ -1,6 +1,7 @@
 """Where cai2dlpack finds an object's interface: the same answer as Python's attribute lookup, whichever way
 it is asked (a plain holder's instance dict is read directly; anything with hooks or type-level attributes
 goes through getattr)."""
+import functools
 import sys
 
 import numpy as np
@@ -144,3 +145,30 @@ def test_a_cuda_interface_property_raising_another_error_passes_it_on():
     obj = PropertyProducer(dict(x.__array_interface__), RuntimeError("producer failed"))
     with pytest.raises(RuntimeError, match="producer failed"):
         cai2dlpack(obj)
+
+
+def producer_that_moves_to_the_host(decorator, before, after):
+    """A class whose CUDA interface (a data or a non-data descriptor) changes the type's host interface, as a
+    producer that moved its data to the host would, and then says it has no device data."""
+
+    class Moving:
+        __array_interface__ = property(lambda self: dict(before.__array_interface__))
+
+        @decorator
+        def __cuda_array_interface__(self):
+            type(self).__array_interface__ = property(lambda s: dict(after.__array_interface__))
+            raise AttributeError("the data is on the host now")
+
+    return Moving()
+
+
+@pytest.mark.parametrize("decorator", [property, functools.cached_property], ids=["property", "cached_property"])
+def test_the_host_interface_is_the_one_getattr_finds_after_the_cuda_one_ran(decorator):
+    before, after = np.arange(4.0), np.arange(3, dtype=np.float32)
+    reference = producer_that_moves_to_the_host(decorator, before, after)
+    with pytest.raises(AttributeError):
+        reference.__cuda_array_interface__
+    assert reference.__array_interface__["data"][0] == after.ctypes.data  # Python's lookup order
+    view = dlpack2cai(cai2dlpack(producer_that_moves_to_the_host(decorator, before, after)))
+    assert view.__array_interface__["data"][0] == after.ctypes.data
+    assert view.__array_interface__["typestr"] == "<f4"
