@@ -191,7 +191,20 @@ void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl
     for (int32_t i = 0; i < arr->ndim; i++)
         if (arr->shape[i] == 0)
             return;
+    /* A device tensor may come before anything loaded the runtime (a view of another library's export asks the
+     * runtime nothing): it is loaded now, or its release could not be ordered. Callers hold the GIL; an error
+     * already set is theirs, and a runtime that cannot be loaded leaves the release unordered, as it must. */
     const cdl_cudart *rt = cdl_cudart_loaded();
+    if (rt == NULL) {
+        cdl_pending_error pending;
+        const int stash = PyErr_Occurred() != NULL;
+        if (stash)
+            cdl_error_stash(&pending);
+        rt = cdl_cudart_get();
+        PyErr_Clear();
+        if (stash)
+            cdl_error_unstash(&pending);
+    }
     if (rt == NULL || rt->event_query == NULL)
         return;
     /* The legacy and per-thread handles name a stream of a device: the data's, or for pinned and managed

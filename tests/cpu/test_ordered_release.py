@@ -626,3 +626,44 @@ def test_a_foreign_tensor_a_view_held_is_deleted_after_its_consumers_work(late, 
     assert producer.made.deleted == 0
     drain(late)
     assert seen == [0] and producer.made.deleted == 1
+
+
+FIRST_VIEW_SCRIPT = textwrap.dedent("""
+    import gc, os, sys
+    import numpy as np
+    sys.path.insert(0, {support!r})
+    from support.cuda_double import CudaDouble, DEVICE
+    from support.cai_objects import register
+    from support.dlpack_ctypes import MadeTensor, kDLCUDA
+    import cai_dlpack
+    double = CudaDouble(os.environ["CAI_DLPACK_CUDART"])
+    double.add_stream(0x6000, 0)
+    double.late = True
+    block = np.arange(8, dtype=np.float32)
+    register(double, block, DEVICE)
+    made = MadeTensor(data=block.ctypes.data, device=(kDLCUDA, 0), shape=block.shape)
+    class Foreign:
+        def __dlpack_device__(self):
+            return (kDLCUDA, 0)
+        def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+            return made.capsule
+    view = cai_dlpack.dlpack2cai(Foreign(), stream=0x6000)  # the process's first use of the runtime
+    double.launch_kernel(0x6000, lambda: print("kernel", made.deleted, flush=True))
+    del view
+    gc.collect()
+    print("dropped", made.deleted, flush=True)
+    double.run_all()
+    cai_dlpack._core._pending_releases()
+    print("ran", made.deleted, flush=True)
+""")
+
+
+def test_a_view_made_before_the_runtime_was_loaded_still_orders_its_release(cudart):
+    """In a process where nothing has loaded the CUDA runtime yet, a view of another library's device tensor
+    asks the runtime nothing: its release must load it to be ordered after the view's stream."""
+    support = os.path.join(os.path.dirname(__file__), os.pardir)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", FIRST_VIEW_SCRIPT.format(support=support)], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["dropped", "0", "kernel", "0", "ran", "1"]
