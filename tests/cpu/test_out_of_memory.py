@@ -41,6 +41,9 @@ def test_paths_under_allocation_failure(cudart):
     holder = Holder(dict(host.__array_interface__))
     buffer_holder = Holder({"shape": (4,), "typestr": "|u1", "data": bytearray(4), "version": 3})
     view = dlpack2cai(cai2dlpack(holder))
+    # 24 dimensions: a view's shape and strides tuples are past CPython's tuple free lists, so allocated.
+    deep = np.zeros((1,) * 24, dtype=np.float32)
+    many = Holder(dict(deep.__array_interface__))
     before = sys.getrefcount(host), sys.getrefcount(holder), sys.getrefcount(view)
     paths = [
         lambda: cai2dlpack(holder, max_version=(1, 0)),
@@ -48,13 +51,14 @@ def test_paths_under_allocation_failure(cudart):
         lambda: cai2dlpack(buffer_holder),
         lambda: cai2dlpack(device, stream=0x6000),
         lambda: dlpack2cai(cai2dlpack(holder)).__array_interface__,
+        lambda: dlpack2cai(cai2dlpack(many)).__array_interface__,
         lambda: memoryview(dlpack2cai(cai2dlpack(holder))),
         lambda: dlpack2cai(cai2dlpack(device), stream=2).__cuda_array_interface__,
         lambda: view.__dlpack__(max_version=(1, 0)),
         lambda: np.from_dlpack(DLPackShim(holder)),
         lambda: DLPackShim(device).__dlpack_device__(),
     ]
-    raised = [fail_each_allocation(path) for path in paths]
+    raised = [fail_each_allocation(path, limit=80) for path in paths]
     gc.collect()
     assert all(count > 0 for count in raised), raised  # each path met at least one failed allocation
     assert (sys.getrefcount(host), sys.getrefcount(holder), sys.getrefcount(view)) == before
