@@ -351,7 +351,11 @@ def sync_tree():
         if os.path.exists(target) and open(source, "rb").read() == open(target, "rb").read():
             continue
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copy2(source, target)
+        # copyfile, not copy2: the copy must be newer than what was built from the text it replaces. A run
+        # stopped mid-mutant (killed, out of time) leaves the mutant and its objects behind; copy2 would give the
+        # restored file the work tree's older mtime, Ninja would keep the mutant's objects, and the next run's
+        # "unmutated" module would be that mutant.
+        shutil.copyfile(source, target)
     for entry in SYNCED:
         for folder, dirs, names in os.walk(os.path.join(TREE, entry)):
             dirs[:] = [d for d in dirs if d not in ("__pycache__", ".hypothesis")]
@@ -691,6 +695,11 @@ def main():
         with open(os.path.join(ROOT, relative), "rb") as f:
             if f.read() != sources[path]:
                 raise SystemExit(f"the mutation tree's {relative} differs from the work tree's after the sync")
+    # Every source newer than every object: the unmutated module is built from these sources, whatever a run
+    # stopped mid-mutant (before sync_tree wrote fresh times, or by the runner of before) left in the build.
+    now = time.time()
+    for path in sources:
+        os.utime(path, (now, now))
     tree_files = [os.path.join(TREE, os.path.relpath(f, ROOT)) for f in files]
     sites = sample_sites(tree_files, args.seed, args.count)
     first, last = 0, len(sites)
