@@ -184,18 +184,30 @@ class Site:
         self.replacement = replacement
         self.original = lines[first:last + 1]
         self.function = function
+        self.occurrence = None  # k when the same change can be made at several places of the function
 
     @property
     def file(self):
         return os.path.basename(self.path)
 
     @property
-    def stable_id(self):
-        """The key of tests/mutation/equivalent.txt: file, function, operator, the original and the mutated
-        text (stripped, one line); survives edits elsewhere in the file."""
+    def base_id(self):
+        """file, function, operator, the original and the mutated text (stripped, one line): the same for every
+        place of a function where the same line is changed the same way (three `return -1;` of one function)."""
         before = " ".join(" ".join(self.original).split())
         after = " ".join(" ".join(self.replacement).split())
         return " :: ".join([self.file, self.function, self.operator, before, after])
+
+    @property
+    def stable_id(self):
+        """The key of tests/mutation/equivalent.txt, naming this one site: the base id, its function followed by
+        #k where the same change can be made at several places of the function (k counts them from the top).
+        Survives edits elsewhere in the file."""
+        if self.occurrence is None:
+            return self.base_id
+        before = " ".join(" ".join(self.original).split())
+        after = " ".join(" ".join(self.replacement).split())
+        return " :: ".join([self.file, f"{self.function}#{self.occurrence}", self.operator, before, after])
 
     def describe(self):
         return {"file": os.path.relpath(self.path, TREE), "line": self.first + 1, "function": self.function,
@@ -284,6 +296,14 @@ def sites_of(path):
                 indent = m.group(1)
                 replacement = [indent + ";\n"] + ["\n"] * (end - index)
                 sites.append(Site(path, index, end, "delete_call", replacement, lines, functions[index][0]))
+    # An id names one site: an equivalence written for one `return -1;` must not cover its function's others.
+    same = {}
+    for site in sorted(sites, key=lambda site: site.first):
+        same.setdefault(site.base_id, []).append(site)
+    for group in same.values():
+        if len(group) > 1:
+            for k, site in enumerate(group, 1):
+                site.occurrence = k
     return sites, lines
 
 
@@ -661,6 +681,9 @@ def main():
                         "each with its own --workdir, then --merge)")
     parser.add_argument("--indices", default=None, help="I,J,...: run only these sampled mutants (0-based), e.g. "
                         "a report's survivors again once tests were added")
+    parser.add_argument("--ids", default=None, help="a file of mutant ids, one a line (as a report prints them): run "
+                        "those mutants wherever they are now, sampled or not (indices change when csrc/ does); an id "
+                        "from before the #k suffix runs every place it names; the report is its own, not a part to --merge")
     parser.add_argument("--workdir", default=WORK, help="the folder of the tree, build and packages")
     parser.add_argument("--merge", nargs="*", default=None, help="JSON reports of the ranges of one run: writes "
                         "their combined report to --report and stops")
@@ -702,6 +725,15 @@ def main():
         os.utime(path, (now, now))
     tree_files = [os.path.join(TREE, os.path.relpath(f, ROOT)) for f in files]
     sites = sample_sites(tree_files, args.seed, args.count)
+    every_site = [site for path in tree_files for site in sites_of(path)[0]]
+    if args.ids:
+        with open(args.ids) as f:
+            wanted = [line.strip().strip("`") for line in f if line.strip() and not line.lstrip().startswith("#")]
+        named = [i for i in wanted if not any(i in (site.stable_id, site.base_id) for site in every_site)]
+        if named:
+            raise SystemExit("no site of " + " ".join(os.path.relpath(f, ROOT) for f in files) + " has the id:\n" +
+                             "\n".join(named))
+        sites = [site for site in every_site if site.stable_id in wanted or site.base_id in wanted]
     first, last = 0, len(sites)
     chosen = None if args.indices is None else {int(i) for i in args.indices.split(",")}
     if args.range:
@@ -712,6 +744,11 @@ def main():
             print(f"{d['file']}:{d['line']} {d['operator']}: {d['original'].strip()!r} -> {d['mutated'].strip()!r}")
         return
     named_equivalent = read_equivalents()
+    if not args.files:
+        known = {site.stable_id for site in every_site}
+        for stale in sorted(set(named_equivalent) - known):
+            print(f"equivalent.txt names no site of csrc/ (its line changed, or it names a place that is one of "
+                  f"several without its #k): {stale}", flush=True)
     configure()
     ok, module, output = build(args.build_timeout)
     if not ok:
