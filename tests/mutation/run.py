@@ -17,8 +17,10 @@ with the Python package into build/mutation/pkg, which is put first on PYTHONPAT
 mutant just built, so no result is trusted from the wrong module.
 
 A kill counts only when the test that failed passes on the unmutated module (asked once per test, then
-remembered); a test that fails there too is deselected and the mutant run again. The whole-suite stage
-leaves out the tests of the build, packaging, typing stubs and benchmark scripts (SUITE_EXCLUDED).
+remembered); a test that fails there too is deselected and the mutant run again. A failure naming no test (a
+crash, a plugin's error, a hang) counts only when the unmutated module passes the same tests in the same time;
+else the mutant is inconclusive. The whole-suite stage leaves out the tests of the build, packaging, typing
+stubs and benchmark scripts (SUITE_EXCLUDED).
 """
 import argparse
 import datetime
@@ -476,29 +478,50 @@ def run_pytest(tests, module_path, timeout, deselect, stop_first=True, extra=())
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         return "timeout", (output or "")[-2000:]
-    run = subprocess.CompletedProcess(process.args, process.returncode, output, "")
-    if run.returncode == GUARD_FAILED:
+    if process.returncode == GUARD_FAILED:
         return "guard", output[-2000:]
-    if run.returncode == 0:
+    if process.returncode == 0:
         return "pass", ""
-    if run.returncode < 0 or run.returncode in (1, 2):
-        failed = [re.match(r"\S+ (.+?)(?: - .*)?$", line).group(1) for line in output.splitlines()
-                  if line.startswith(("FAILED ", "ERROR "))]
-        if run.returncode < 0:
-            return "fail", f"pytest died by signal {-run.returncode} (a crash)"
+    if process.returncode < 0:
+        return "fail", f"pytest died by signal {-process.returncode} (a crash)"
+    # The test that failed, whatever the exit status: a plugin's error while reporting a failure (exit status 3,
+    # INTERNALERROR) still names it, and it is what the unmutated module is asked about.
+    failed = [re.match(r"\S+ (.+?)(?: - .*)?$", line).group(1) for line in output.splitlines()
+              if line.startswith(("FAILED ", "ERROR "))]
+    tests_failed = [test for test in failed if is_test_id(test)]
+    if tests_failed:
+        return "fail", tests_failed[0]
+    if process.returncode in (1, 2):
         return "fail", (failed[0] if failed else output.strip().splitlines()[-1] if output.strip() else "")
-    return "fail", f"pytest exit status {run.returncode}: " + output[-600:]
+    return "fail", f"pytest exit status {process.returncode}: " + output[-600:]
 
 
 class Baseline:
     """The unmutated module (build/mutation/baseline) and the tests known to pass or fail on it. A mutant's
     kill counts only when the test that failed passes on the unmutated module; a test that fails there too is
-    deselected from then on (listed in the report) and the mutant is run again."""
+    deselected from then on (listed in the report) and the mutant is run again. A failure that names no test
+    (a crash, a hang, an error of pytest or a plugin, a file that does not collect) counts only when the unmutated
+    module gets through the same tests, in the same time limit."""
 
     def __init__(self, module_path, timeout):
         self.module = module_path
         self.timeout = timeout
         self.verdicts = {}
+        self.selections = {}
+
+    def runs_clean(self, tests, timeout):
+        """(clean, detail): whether the unmutated module passes tests (the same selection, the same deselected
+        tests, the same limit), asked once per selection. A test failing there is deselected from then on."""
+        key = (tuple(tests), tuple(self.failing), timeout)
+        if key not in self.selections:
+            outcome, detail = run_pytest(tests, self.module, timeout, self.failing)
+            if outcome == "guard":
+                raise SystemExit("the guard refused the unmutated module")
+            if outcome == "fail" and is_test_id(detail):
+                self.verdicts[detail] = False
+            self.selections[key] = (outcome == "pass", detail if outcome == "fail" else
+                                    "no result within the time limit" if outcome == "timeout" else "")
+        return self.selections[key]
 
     def passes(self, test_id):
         if test_id not in self.verdicts:
@@ -573,14 +596,28 @@ def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
         result["stage"] = stage
         while True:
             outcome, detail = run_pytest(tests, installed, timeout, baseline.failing)
-            # A kill counts when the failing test passes on the unmutated module.
-            if outcome != "fail" or not is_test_id(detail) or baseline.passes(detail):
+            if outcome in ("pass", "guard"):
                 break
+            # A kill counts when the failing test passes on the unmutated module.
+            if is_test_id(detail):
+                if baseline.passes(detail):
+                    break
+                continue
+            # Nothing names a test (a crash, a hang, a plugin's or the collection's error): a kill counts when the
+            # unmutated module gets through the same tests in the same time.
+            deselected = len(baseline.failing)
+            clean, why = baseline.runs_clean(tests, timeout)
+            if clean:
+                break
+            if len(baseline.failing) > deselected:
+                continue  # a test failing on the unmutated module too is deselected now: the mutant again
+            outcome, detail = "inconclusive", f"the unmutated module fails these tests too ({why[:300]}); the mutant: {detail}"
+            break
         if outcome != "pass":
             break
     if outcome == "guard":
         raise SystemExit("the guard refused the mutant's module:\n" + detail)
-    result["status"] = {"pass": "survived", "fail": "killed", "timeout": "timeout"}[outcome]
+    result["status"] = {"pass": "survived", "fail": "killed", "timeout": "timeout", "inconclusive": "inconclusive"}[outcome]
     result["detail"] = detail if outcome != "timeout" else f"a hang: no result within the time limit ({result['stage']})"
     result["seconds"] = round(time.monotonic() - started, 1)
     return result
@@ -590,7 +627,7 @@ def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
 
 def write_report(path, args, results, deselected, started, elapsed_min=None):
     counts = {s: sum(1 for r in results if r["status"] == s)
-              for s in ("killed", "timeout", "survived", "equivalent", "did not compile")}
+              for s in ("killed", "timeout", "survived", "equivalent", "did not compile", "inconclusive")}
     changing = counts["killed"] + counts["timeout"] + counts["survived"]
     killed = counts["killed"] + counts["timeout"]
     score = f"{killed} of {changing} ({100.0 * killed / changing:.1f}%)" if changing else "n/a"
@@ -616,6 +653,7 @@ def write_report(path, args, results, deselected, started, elapsed_min=None):
         lines += [f"- `{t}`" for t in deselected] + [""]
     for title, status in (("Survivors", "survived"), ("Equivalent mutants", "equivalent"),
                           ("Hangs (counted as killed)", "timeout"), ("Did not compile", "did not compile"),
+                          ("Inconclusive: the unmutated module fails the same tests (not counted)", "inconclusive"),
                           ("Killed", "killed")):
         chosen = [r for r in results if r["status"] == status]
         if not chosen:
