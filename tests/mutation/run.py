@@ -14,7 +14,8 @@ tree at every start, file by file, so the build there stays incremental), the mu
 original restored in a `finally`, the module is built with CMake/Ninja in build/mutation/cmake, and copied
 with the Python package into build/mutation/pkg, which is put first on PYTHONPATH. A pytest plugin
 (guard_plugin.py) refuses to run unless the imported cai_dlpack._core is that file with the SHA-256 of the
-mutant just built, so no result is trusted from the wrong module.
+mutant just built, and fails a test whose Python child would not find it, so no result is trusted from the
+wrong module.
 
 A kill counts only when the test that failed passes on the unmutated module (asked once per test, then
 remembered); a test that fails there too is deselected and the mutant run again. A failure naming no test (a
