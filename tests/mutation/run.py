@@ -67,7 +67,7 @@ RELATED_TESTS = {
                         "test_streams.py"],
     "copy.c": ["test_copy.py"],
     "cuda_runtime.c": ["test_runtime_loader.py", "test_device_context.py", "test_streams.py",
-                       "test_graph_capture.py"],
+                       "test_graph_capture.py", "test_locks.py"],
     "dlpack_to_cai.c": ["test_view_buffer.py", "test_exchange_consumer.py", "test_handed_out_objects.py",
                         "test_lifetime.py"],
     "dtype.c": ["test_low_precision.py", "test_errors.py", "test_cai_path.py", "test_buffer_path.py"],
@@ -77,8 +77,9 @@ RELATED_TESTS = {
                          "test_view_buffer.py", "test_exchange_consumer.py"],
     "module.c": ["test_errors.py", "test_self_check.py", "test_cai_path.py"],
     "names.c": ["test_errors.py", "test_cai_path.py"],
+    "ordered_release.c": ["test_ordered_release.py", "test_lifetime.py", "test_graph_capture.py", "test_locks.py"],
     "shim.c": ["test_shim_read_once.py", "test_handed_out_objects.py", "test_cai_path.py"],
-    "stream_sync.c": ["test_streams.py", "test_graph_capture.py", "test_lifetime.py"],
+    "stream_sync.c": ["test_streams.py", "test_graph_capture.py", "test_lifetime.py", "test_locks.py"],
     "cdl_internal.h": ["test_cai_path.py", "test_view_buffer.py", "test_copy.py", "test_buffer_path.py"],
 }
 
@@ -679,7 +680,8 @@ def write_report(path, args, results, deselected, started, elapsed_min=None):
 
 def merge(args):
     """One report of a run made in ranges: the results by their index (a result without one is at its place
-    in its report), the deselected tests of all, the longest time."""
+    in its report; of two results for one index, the one of the report named later, a rerun, is kept), the
+    deselected tests of all, the longest time."""
     results, deselected, started, elapsed = {}, set(), [], 0.0
     for path in args.merge:
         with open(path) as f:
@@ -687,7 +689,7 @@ def merge(args):
         if (part["seed"], part["count"]) != (args.seed, args.count):
             raise SystemExit(f"{path} is of seed {part['seed']}, count {part['count']}")
         for position, result in enumerate(part["results"]):
-            results.setdefault(result.get("index", position), result)
+            results[result.get("index", position)] = result
         deselected.update(part["deselected"])
         started.append(part.get("started", ""))
         elapsed = max(elapsed, part.get("elapsed_min", 0.0))
@@ -725,7 +727,7 @@ def main():
                         "from before the #k suffix runs every place it names; the report is its own, not a part to --merge")
     parser.add_argument("--workdir", default=WORK, help="the folder of the tree, build and packages")
     parser.add_argument("--merge", nargs="*", default=None, help="JSON reports of the ranges of one run: writes "
-                        "their combined report to --report and stops")
+                        "their combined report to --report and stops (a mutant in two of them: the later one's result)")
     parser.add_argument("--build-timeout", type=int, default=300)
     parser.add_argument("--test-timeout", type=int, default=300, help="seconds for a mutant's related tests")
     parser.add_argument("--suite-timeout", type=int, default=900, help="seconds for the whole CPU suite")
