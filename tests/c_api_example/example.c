@@ -181,7 +181,7 @@ static PyObject *exchange_dltensor(PyObject *self, PyObject *obj)
     const DLPackExchangeAPI *exchange = exchange_api_of((PyObject *)Py_TYPE(obj));
     if (exchange == NULL)
         return NULL;
-    DLTensor t;
+    DLTensor t = {0}; /* a call that says success without filling it gives zeros here, not stack garbage */
     if (exchange->dltensor_from_py_object_no_sync(obj, &t) != 0)
         return NULL;
     return tensor_fields(&t);

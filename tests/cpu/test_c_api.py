@@ -238,6 +238,21 @@ def test_exchange_dltensor_refusal_of_read_only_memory_orders_no_streams(cudart)
     assert ordering == []
 
 
+def test_exchange_dltensor_of_a_view_fails_when_its_stream_cannot_be_ordered(cudart, example):
+    """dltensor_from_py_object_no_sync of a view made for stream S1 orders S1 before the legacy default stream it
+    tells the consumer to work on; when the runtime refuses that ordering the call fails with the runtime's error,
+    so that a C consumer, which trusts the status, lends nothing."""
+    host = np.arange(8, dtype=np.float32)
+    register(cudart, host, DEVICE, device=0)
+    cudart.add_stream(S1, 0)
+    view = dlpack2cai(DLPackShim(CaiArray(host)), stream=S1)
+    assert example.exchange_dltensor(view)["data"] == host.ctypes.data  # ordered: lent
+    cudart.fail("cudaEventRecord", 1, count=-1)  # cudaErrorInvalidValue, every time
+    with pytest.raises(cai_dlpack.CudaError, match="cudaEventRecord") as raised:
+        example.exchange_dltensor(view)
+    assert raised.value.call == "cudaEventRecord" and raised.value.code == 1
+
+
 def test_exchange_allocator(cudart, example):
     host_view = example.exchange_allocate(DLPackShim, (2, 32), (2, 3), (1, 0))
     a = np.asarray(host_view)

@@ -7,6 +7,8 @@ import textwrap
 import numpy as np  # noqa: F401  (the child imports it too)
 import pytest
 
+from support.cuda_double import compiler
+
 PROBE = textwrap.dedent("""
     import numpy as np, cai_dlpack
     from cai_dlpack import DLPackShim
@@ -33,15 +35,27 @@ INFO_PROBE = textwrap.dedent("""
 """)
 
 
-def run_probe(hide_wheels=None, preload=None, probe=PROBE, **env_changes):
+def first_on_path(env, folder):
+    """env with folder first on PYTHONPATH, ahead of what was there: the cai_dlpack a run put on the path (the
+    mutation run's build, a sanitizer build) stays the one the child imports."""
+    env["PYTHONPATH"] = os.pathsep.join([str(folder)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+# Put before a probe: the import of the 'nvidia' namespace package fails, as where no NVIDIA wheel is installed.
+NO_WHEELS = "import sys; sys.modules['nvidia'] = None\n"
+
+
+def run_probe(hide_wheels=None, preload=None, probe=PROBE, no_wheels=False, **env_changes):
     env = {k: v for k, v in os.environ.items() if k != "CAI_DLPACK_CUDART"}
     env.update(env_changes)
     if hide_wheels is not None:
         # A regular package named 'nvidia' first on the path hides the namespace package of NVIDIA's wheels.
         (hide_wheels / "nvidia").mkdir()
         (hide_wheels / "nvidia" / "__init__.py").write_text("")
-        env["PYTHONPATH"] = str(hide_wheels)
+        first_on_path(env, hide_wheels)
     probe = probe if preload is None else f"import ctypes; ctypes.CDLL({str(preload)!r})\n" + probe
+    probe = NO_WHEELS + probe if no_wheels else probe
     result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
@@ -91,40 +105,79 @@ def test_named_runtime_is_used():
         f"CAI_DLPACK_CUDART {os.environ['CAI_DLPACK_CUDART']}"
 
 
+def occupy_sonames(directory):
+    """A folder for LD_LIBRARY_PATH (searched before the loader's cache and default folders) in which every
+    libcudart.so.N the search could ask for (N from 10 to 20) is a library that is no CUDA runtime (it lacks
+    cudaGetErrorName): each soname tried is found here and refused, whatever runtime this machine has installed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "not_a_runtime.c").write_text("int not_a_cuda_runtime;\n")
+    subprocess.run([compiler(), "-shared", "-fPIC", str(directory / "not_a_runtime.c"), "-o",
+                    str(directory / "libnot_a_runtime.so")], check=True)
+    for major in range(10, 21):
+        (directory / f"libcudart.so.{major}").symlink_to("libnot_a_runtime.so")
+    return {"LD_LIBRARY_PATH": os.pathsep.join([str(directory)] + ([os.environ["LD_LIBRARY_PATH"]]
+                                                                   if os.environ.get("LD_LIBRARY_PATH") else []))}
+
+
+def searched_sonames():
+    """The sonames the loader's search asks for, in order: the major of the headers the module was built with,
+    then 13, then 12, each once."""
+    import cai_dlpack._core
+
+    return [f"libcudart.so.{major}" for major in dict.fromkeys([cai_dlpack._core.CUDART_HEADER_MAJOR, 13, 12])]
+
+
+NOTHING_FOUND = ("ERROR RuntimeError no CUDA runtime found (tried {}); install a CUDA driver and runtime, e.g. "
+                 "'pip install nvidia-cuda-runtime', or set CAI_DLPACK_CUDART to the path of libcudart.so")
+
+
+@pytest.mark.parametrize("nvidia", ["not installed", "a module, not a package"])
+def test_without_a_runtime_or_nvidia_wheels_the_error_lists_each_soname_once_newest_first(tmp_path, nvidia):
+    """No runtime the loader can give and no NVIDIA wheel installed (the import of 'nvidia' fails, or finds a
+    module of that name with no folders to look in): the error lists every soname tried, in the search's order,
+    each once, and says how to point at a runtime."""
+    if nvidia == "not installed":
+        out = run_probe(no_wheels=True, **occupy_sonames(tmp_path / "lib"))
+    else:
+        (tmp_path / "nvidia.py").write_text("")
+        out = run_probe(PYTHONPATH=first_on_path(dict(os.environ), tmp_path)["PYTHONPATH"],
+                        **occupy_sonames(tmp_path / "lib"))
+    assert out == NOTHING_FOUND.format(", ".join(f"{soname} (lacks cudaGetErrorName)" for soname in searched_sonames()))
+
+
 def test_search_order_is_reported_when_nothing_is_found(tmp_path):
-    """With no runtime anywhere the message lists what was tried and how to point at one."""
-    out = run_probe(hide_wheels=tmp_path, LD_LIBRARY_PATH="/nonexistent")
-    if not out.startswith("ERROR RuntimeError"):
-        # This machine has a runtime on the loader's default path; the search found it (then any error
-        # comes from the runtime itself, e.g. no driver).
-        assert out.startswith(("LOADED", "ERROR CudaError")), out
-        return
-    assert out.startswith("ERROR RuntimeError no CUDA runtime found (tried libcudart.so.")
-    assert "CAI_DLPACK_CUDART" in out and "nvidia-cuda-runtime" in out
+    """With no runtime anywhere the message lists what was tried, the loader's sonames and then the two places
+    of libcudart inside NVIDIA's wheels, and how to point at one."""
+    out = run_probe(hide_wheels=tmp_path, **occupy_sonames(tmp_path / "lib"))
+    wheels = [str(tmp_path / "nvidia" / "cu13" / "lib" / "libcudart.so.13"),
+              str(tmp_path / "nvidia" / "cuda_runtime" / "lib" / "libcudart.so.12")]
+    assert out == NOTHING_FOUND.format(", ".join(
+        [f"{soname} (lacks cudaGetErrorName)" for soname in searched_sonames()]
+        + [f"{path} ({path}: cannot open shared object file: No such file or directory)" for path in wheels]))
 
 
-def test_runtime_inside_nvidia_wheels_is_found(tmp_path):
-    """The copy of libcudart inside NVIDIA's pip wheels (nvidia/cu13/lib) is found without any setting."""
+@pytest.mark.parametrize("inside", ["cu13/lib/libcudart.so.13", "cuda_runtime/lib/libcudart.so.12"])
+def test_runtime_inside_nvidia_wheels_is_found(tmp_path, inside):
+    """The copy of libcudart inside NVIDIA's pip wheels (nvidia/cu13/lib for CUDA 13, nvidia/cuda_runtime/lib for
+    CUDA 12) is found without any setting when the loader has none."""
     import shutil
 
     out_dir = tmp_path / "site"
-    out_dir.mkdir()
-    lib = out_dir / "nvidia" / "cu13" / "lib"
-    lib.mkdir(parents=True)
-    shutil.copy(os.environ["CAI_DLPACK_CUDART"], lib / "libcudart.so.13")
+    lib = out_dir / "nvidia" / inside
+    lib.parent.mkdir(parents=True)
+    shutil.copy(os.environ["CAI_DLPACK_CUDART"], lib)
     (out_dir / "nvidia" / "__init__.py").write_text("")
     env = {k: v for k, v in os.environ.items() if k != "CAI_DLPACK_CUDART"}
-    env["PYTHONPATH"] = str(out_dir)
+    env.update(occupy_sonames(tmp_path / "lib"))
+    first_on_path(env, out_dir)
     result = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+    # The double knows no pointer: loading worked and the pointer query answered.
     out = result.stdout.strip()
-    if not out.endswith(str(lib / "libcudart.so.13")):
-        # A runtime on the loader's default path comes first in the search order.
-        assert "PATH" in out and "libcudart.so.1" in out, out
-        return
-    assert out.startswith("ERROR BufferError") and "not memory the CUDA runtime knows" in out
+    assert out.startswith("ERROR BufferError") and "not memory the CUDA runtime knows" in out, out
+    assert out.endswith(f"PATH {lib}"), out
     result = subprocess.run([sys.executable, "-c", INFO_PROBE], env=env, capture_output=True, text=True, timeout=120)
-    assert result.stdout.strip() == f"pip wheel {lib / 'libcudart.so.13'}", result.stdout + result.stderr
+    assert result.stdout.strip() == f"pip wheel {lib}", result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("driver,named", [("12080", "12.8"), ("12090", "12.9")])
@@ -142,16 +195,11 @@ def test_runtime_without_a_driver_still_loads():
 
 
 def build_with_soname(directory, soname):
-    import shutil
-    import sysconfig
-
     from support.cuda_double import SOURCE
 
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / soname
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    compiler = compiler if shutil.which(compiler) else "cc"
-    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-pthread", f"-Wl,-soname,{soname}", SOURCE, "-o",
+    subprocess.run([compiler(), "-shared", "-fPIC", "-O1", "-pthread", f"-Wl,-soname,{soname}", SOURCE, "-o",
                     str(target)], check=True)
     return target
 

@@ -14,11 +14,14 @@ tree at every start, file by file, so the build there stays incremental), the mu
 original restored in a `finally`, the module is built with CMake/Ninja in build/mutation/cmake, and copied
 with the Python package into build/mutation/pkg, which is put first on PYTHONPATH. A pytest plugin
 (guard_plugin.py) refuses to run unless the imported cai_dlpack._core is that file with the SHA-256 of the
-mutant just built, so no result is trusted from the wrong module.
+mutant just built, and fails a test whose Python child would not find it, so no result is trusted from the
+wrong module.
 
 A kill counts only when the test that failed passes on the unmutated module (asked once per test, then
-remembered); a test that fails there too is deselected and the mutant run again. The whole-suite stage
-leaves out the tests of the build, packaging, typing stubs and benchmark scripts (SUITE_EXCLUDED).
+remembered); a test that fails there too is deselected and the mutant run again. A failure naming no test (a
+crash, a plugin's error, a hang) counts only when the unmutated module passes the same tests in the same time;
+else the mutant is inconclusive. The whole-suite stage leaves out the tests of the build, packaging, typing
+stubs and benchmark scripts (SUITE_EXCLUDED).
 """
 import argparse
 import datetime
@@ -64,7 +67,7 @@ RELATED_TESTS = {
                         "test_buffer_path.py", "test_streams.py"],
     "copy.c": ["test_copy.py"],
     "cuda_runtime.c": ["test_runtime_loader.py", "test_device_context.py", "test_streams.py",
-                       "test_graph_capture.py"],
+                       "test_graph_capture.py", "test_locks.py"],
     "dlpack_to_cai.c": ["test_view_buffer.py", "test_exchange_consumer.py", "test_handed_out_objects.py",
                         "test_lifetime.py"],
     "dtype.c": ["test_low_precision.py", "test_errors.py", "test_cai_path.py", "test_buffer_path.py"],
@@ -74,8 +77,9 @@ RELATED_TESTS = {
                          "test_cai_path.py", "test_view_buffer.py", "test_exchange_consumer.py"],
     "module.c": ["test_errors.py", "test_self_check.py", "test_cai_path.py"],
     "names.c": ["test_errors.py", "test_cai_path.py"],
+    "ordered_release.c": ["test_ordered_release.py", "test_lifetime.py", "test_graph_capture.py", "test_locks.py"],
     "shim.c": ["test_shim_read_once.py", "test_handed_out_objects.py", "test_cai_path.py"],
-    "stream_sync.c": ["test_streams.py", "test_graph_capture.py", "test_lifetime.py"],
+    "stream_sync.c": ["test_streams.py", "test_graph_capture.py", "test_lifetime.py", "test_locks.py"],
     "cdl_internal.h": ["test_cai_path.py", "test_view_buffer.py", "test_copy.py", "test_buffer_path.py"],
 }
 
@@ -184,18 +188,30 @@ class Site:
         self.replacement = replacement
         self.original = lines[first:last + 1]
         self.function = function
+        self.occurrence = None  # k when the same change can be made at several places of the function
 
     @property
     def file(self):
         return os.path.basename(self.path)
 
     @property
-    def stable_id(self):
-        """The key of tests/mutation/equivalent.txt: file, function, operator, the original and the mutated
-        text (stripped, one line); survives edits elsewhere in the file."""
+    def base_id(self):
+        """file, function, operator, the original and the mutated text (stripped, one line): the same for every
+        place of a function where the same line is changed the same way (three `return -1;` of one function)."""
         before = " ".join(" ".join(self.original).split())
         after = " ".join(" ".join(self.replacement).split())
         return " :: ".join([self.file, self.function, self.operator, before, after])
+
+    @property
+    def stable_id(self):
+        """The key of tests/mutation/equivalent.txt, naming this one site: the base id, its function followed by
+        #k where the same change can be made at several places of the function (k counts them from the top).
+        Survives edits elsewhere in the file."""
+        if self.occurrence is None:
+            return self.base_id
+        before = " ".join(" ".join(self.original).split())
+        after = " ".join(" ".join(self.replacement).split())
+        return " :: ".join([self.file, f"{self.function}#{self.occurrence}", self.operator, before, after])
 
     def describe(self):
         return {"file": os.path.relpath(self.path, TREE), "line": self.first + 1, "function": self.function,
@@ -284,6 +300,14 @@ def sites_of(path):
                 indent = m.group(1)
                 replacement = [indent + ";\n"] + ["\n"] * (end - index)
                 sites.append(Site(path, index, end, "delete_call", replacement, lines, functions[index][0]))
+    # An id names one site: an equivalence written for one `return -1;` must not cover its function's others.
+    same = {}
+    for site in sorted(sites, key=lambda site: site.first):
+        same.setdefault(site.base_id, []).append(site)
+    for group in same.values():
+        if len(group) > 1:
+            for k, site in enumerate(group, 1):
+                site.occurrence = k
     return sites, lines
 
 
@@ -351,8 +375,10 @@ def sync_tree():
         if os.path.exists(target) and open(source, "rb").read() == open(target, "rb").read():
             continue
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        # A new modification time, never the work tree's: an object a mutant's build left is newer than an edit
-        # made in the work tree before it, and a copy that kept the edit's time would not be rebuilt.
+        # copyfile, not copy2: the copy must be newer than what was built from the text it replaces. A run
+        # stopped mid-mutant (killed, out of time) leaves the mutant and its objects behind; copy2 would give the
+        # restored file the work tree's older mtime, Ninja would keep the mutant's objects, and the next run's
+        # "unmutated" module would be that mutant.
         shutil.copyfile(source, target)
     for entry in SYNCED:
         for folder, dirs, names in os.walk(os.path.join(TREE, entry)):
@@ -454,29 +480,50 @@ def run_pytest(tests, module_path, timeout, deselect, stop_first=True, extra=())
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         return "timeout", (output or "")[-2000:]
-    run = subprocess.CompletedProcess(process.args, process.returncode, output, "")
-    if run.returncode == GUARD_FAILED:
+    if process.returncode == GUARD_FAILED:
         return "guard", output[-2000:]
-    if run.returncode == 0:
+    if process.returncode == 0:
         return "pass", ""
-    if run.returncode < 0 or run.returncode in (1, 2):
-        failed = [re.match(r"\S+ (.+?)(?: - .*)?$", line).group(1) for line in output.splitlines()
-                  if line.startswith(("FAILED ", "ERROR "))]
-        if run.returncode < 0:
-            return "fail", f"pytest died by signal {-run.returncode} (a crash)"
+    if process.returncode < 0:
+        return "fail", f"pytest died by signal {-process.returncode} (a crash)"
+    # The test that failed, whatever the exit status: a plugin's error while reporting a failure (exit status 3,
+    # INTERNALERROR) still names it, and it is what the unmutated module is asked about.
+    failed = [re.match(r"\S+ (.+?)(?: - .*)?$", line).group(1) for line in output.splitlines()
+              if line.startswith(("FAILED ", "ERROR "))]
+    tests_failed = [test for test in failed if is_test_id(test)]
+    if tests_failed:
+        return "fail", tests_failed[0]
+    if process.returncode in (1, 2):
         return "fail", (failed[0] if failed else output.strip().splitlines()[-1] if output.strip() else "")
-    return "fail", f"pytest exit status {run.returncode}: " + output[-600:]
+    return "fail", f"pytest exit status {process.returncode}: " + output[-600:]
 
 
 class Baseline:
     """The unmutated module (build/mutation/baseline) and the tests known to pass or fail on it. A mutant's
     kill counts only when the test that failed passes on the unmutated module; a test that fails there too is
-    deselected from then on (listed in the report) and the mutant is run again."""
+    deselected from then on (listed in the report) and the mutant is run again. A failure that names no test
+    (a crash, a hang, an error of pytest or a plugin, a file that does not collect) counts only when the unmutated
+    module gets through the same tests, in the same time limit."""
 
     def __init__(self, module_path, timeout):
         self.module = module_path
         self.timeout = timeout
         self.verdicts = {}
+        self.selections = {}
+
+    def runs_clean(self, tests, timeout):
+        """(clean, detail): whether the unmutated module passes tests (the same selection, the same deselected
+        tests, the same limit), asked once per selection. A test failing there is deselected from then on."""
+        key = (tuple(tests), tuple(self.failing), timeout)
+        if key not in self.selections:
+            outcome, detail = run_pytest(tests, self.module, timeout, self.failing)
+            if outcome == "guard":
+                raise SystemExit("the guard refused the unmutated module")
+            if outcome == "fail" and is_test_id(detail):
+                self.verdicts[detail] = False
+            self.selections[key] = (outcome == "pass", detail if outcome == "fail" else
+                                    "no result within the time limit" if outcome == "timeout" else "")
+        return self.selections[key]
 
     def passes(self, test_id):
         if test_id not in self.verdicts:
@@ -551,14 +598,28 @@ def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
         result["stage"] = stage
         while True:
             outcome, detail = run_pytest(tests, installed, timeout, baseline.failing)
-            # A kill counts when the failing test passes on the unmutated module.
-            if outcome != "fail" or not is_test_id(detail) or baseline.passes(detail):
+            if outcome in ("pass", "guard"):
                 break
+            # A kill counts when the failing test passes on the unmutated module.
+            if is_test_id(detail):
+                if baseline.passes(detail):
+                    break
+                continue
+            # Nothing names a test (a crash, a hang, a plugin's or the collection's error): a kill counts when the
+            # unmutated module gets through the same tests in the same time.
+            deselected = len(baseline.failing)
+            clean, why = baseline.runs_clean(tests, timeout)
+            if clean:
+                break
+            if len(baseline.failing) > deselected:
+                continue  # a test failing on the unmutated module too is deselected now: the mutant again
+            outcome, detail = "inconclusive", f"the unmutated module fails these tests too ({why[:300]}); the mutant: {detail}"
+            break
         if outcome != "pass":
             break
     if outcome == "guard":
         raise SystemExit("the guard refused the mutant's module:\n" + detail)
-    result["status"] = {"pass": "survived", "fail": "killed", "timeout": "timeout"}[outcome]
+    result["status"] = {"pass": "survived", "fail": "killed", "timeout": "timeout", "inconclusive": "inconclusive"}[outcome]
     result["detail"] = detail if outcome != "timeout" else f"a hang: no result within the time limit ({result['stage']})"
     result["seconds"] = round(time.monotonic() - started, 1)
     return result
@@ -568,7 +629,7 @@ def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
 
 def write_report(path, args, results, deselected, started, elapsed_min=None):
     counts = {s: sum(1 for r in results if r["status"] == s)
-              for s in ("killed", "timeout", "survived", "equivalent", "did not compile")}
+              for s in ("killed", "timeout", "survived", "equivalent", "did not compile", "inconclusive")}
     changing = counts["killed"] + counts["timeout"] + counts["survived"]
     killed = counts["killed"] + counts["timeout"]
     score = f"{killed} of {changing} ({100.0 * killed / changing:.1f}%)" if changing else "n/a"
@@ -594,6 +655,7 @@ def write_report(path, args, results, deselected, started, elapsed_min=None):
         lines += [f"- `{t}`" for t in deselected] + [""]
     for title, status in (("Survivors", "survived"), ("Equivalent mutants", "equivalent"),
                           ("Hangs (counted as killed)", "timeout"), ("Did not compile", "did not compile"),
+                          ("Inconclusive: the unmutated module fails the same tests (not counted)", "inconclusive"),
                           ("Killed", "killed")):
         chosen = [r for r in results if r["status"] == status]
         if not chosen:
@@ -618,7 +680,8 @@ def write_report(path, args, results, deselected, started, elapsed_min=None):
 
 def merge(args):
     """One report of a run made in ranges: the results by their index (a result without one is at its place
-    in its report), the deselected tests of all, the longest time."""
+    in its report; of two results for one index, the one of the report named later, a rerun, is kept), the
+    deselected tests of all, the longest time."""
     results, deselected, started, elapsed = {}, set(), [], 0.0
     for path in args.merge:
         with open(path) as f:
@@ -626,7 +689,7 @@ def merge(args):
         if (part["seed"], part["count"]) != (args.seed, args.count):
             raise SystemExit(f"{path} is of seed {part['seed']}, count {part['count']}")
         for position, result in enumerate(part["results"]):
-            results.setdefault(result.get("index", position), result)
+            results[result.get("index", position)] = result
         deselected.update(part["deselected"])
         started.append(part.get("started", ""))
         elapsed = max(elapsed, part.get("elapsed_min", 0.0))
@@ -659,9 +722,12 @@ def main():
                         "each with its own --workdir, then --merge)")
     parser.add_argument("--indices", default=None, help="I,J,...: run only these sampled mutants (0-based), e.g. "
                         "a report's survivors again once tests were added")
+    parser.add_argument("--ids", default=None, help="a file of mutant ids, one a line (as a report prints them): run "
+                        "those mutants wherever they are now, sampled or not (indices change when csrc/ does); an id "
+                        "from before the #k suffix runs every place it names; the report is its own, not a part to --merge")
     parser.add_argument("--workdir", default=WORK, help="the folder of the tree, build and packages")
     parser.add_argument("--merge", nargs="*", default=None, help="JSON reports of the ranges of one run: writes "
-                        "their combined report to --report and stops")
+                        "their combined report to --report and stops (a mutant in two of them: the later one's result)")
     parser.add_argument("--build-timeout", type=int, default=300)
     parser.add_argument("--test-timeout", type=int, default=300, help="seconds for a mutant's related tests")
     parser.add_argument("--suite-timeout", type=int, default=900, help="seconds for the whole CPU suite")
@@ -693,8 +759,22 @@ def main():
         with open(os.path.join(ROOT, relative), "rb") as f:
             if f.read() != sources[path]:
                 raise SystemExit(f"the mutation tree's {relative} differs from the work tree's after the sync")
+    # Every source newer than every object: the unmutated module is built from these sources, whatever a run
+    # stopped mid-mutant (before sync_tree wrote fresh times, or by the runner of before) left in the build.
+    now = time.time()
+    for path in sources:
+        os.utime(path, (now, now))
     tree_files = [os.path.join(TREE, os.path.relpath(f, ROOT)) for f in files]
     sites = sample_sites(tree_files, args.seed, args.count)
+    every_site = [site for path in tree_files for site in sites_of(path)[0]]
+    if args.ids:
+        with open(args.ids) as f:
+            wanted = [line.strip().strip("`") for line in f if line.strip() and not line.lstrip().startswith("#")]
+        named = [i for i in wanted if not any(i in (site.stable_id, site.base_id) for site in every_site)]
+        if named:
+            raise SystemExit("no site of " + " ".join(os.path.relpath(f, ROOT) for f in files) + " has the id:\n" +
+                             "\n".join(named))
+        sites = [site for site in every_site if site.stable_id in wanted or site.base_id in wanted]
     first, last = 0, len(sites)
     chosen = None if args.indices is None else {int(i) for i in args.indices.split(",")}
     if args.range:
@@ -705,6 +785,11 @@ def main():
             print(f"{d['file']}:{d['line']} {d['operator']}: {d['original'].strip()!r} -> {d['mutated'].strip()!r}")
         return
     named_equivalent = read_equivalents()
+    if not args.files:
+        known = {site.stable_id for site in every_site}
+        for stale in sorted(set(named_equivalent) - known):
+            print(f"equivalent.txt names no site of csrc/ (its line changed, or it names a place that is one of "
+                  f"several without its #k): {stale}", flush=True)
     configure()
     ok, module, output = build(args.build_timeout)
     if not ok:

@@ -14,6 +14,12 @@ UNREGISTERED, PINNED_HOST, DEVICE, MANAGED = 0, 1, 2, 3
 GLOBAL, THREAD_LOCAL, RELAXED = 0, 1, 2
 
 
+def compiler():
+    """The C compiler Python was built with, or cc."""
+    name = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return name if shutil.which(name) else "cc"
+
+
 def build(directory=None, cuda_12_0=False, capture_mode=True):
     """Compiles the double into a shared library and returns its path. cuda_12_0: a runtime without
     cudaGetDriverEntryPointByVersion (CUDA 12.5), whose driver calls come through cudaGetDriverEntryPoint.
@@ -21,11 +27,8 @@ def build(directory=None, cuda_12_0=False, capture_mode=True):
     directory = directory or tempfile.mkdtemp(prefix="cudart_double_")
     name = "libcudart_double" + ("_12_0" if cuda_12_0 else "") + ("" if capture_mode else "_no_capture_mode")
     target = os.path.join(directory, name + ".so")
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if shutil.which(compiler) is None:
-        compiler = "cc"
     subprocess.run(
-        [compiler, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-pthread", SOURCE, "-o", target]
+        [compiler(), "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-pthread", SOURCE, "-o", target]
         + (["-DDOUBLE_CUDA_12_0"] if cuda_12_0 else []) + ([] if capture_mode else ["-DDOUBLE_NO_CAPTURE_MODE"]),
         check=True,
     )
