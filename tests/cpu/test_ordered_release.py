@@ -311,20 +311,21 @@ def test_device_copy_keeps_its_source_until_the_copy_ran(late):
     del later
 
 
-def test_device_copy_memory_is_freed_in_the_consumers_stream_order(late):
+@pytest.mark.parametrize("consumer", [S2, 1], ids=["a stream", "the legacy stream"])
+def test_device_copy_memory_is_freed_in_the_consumers_stream_order(late, consumer):
     """The copy's own memory goes back by cudaFreeAsync on the consumer's stream: no host wait, and a kernel queued
     before the drop still reads the copy."""
     pool = Pool(late)
     x = pool.take(ORIGINAL)
-    copy, drop = consume(DLPackShim(x).__dlpack__(stream=S2, copy=True, max_version=(1, 0)))
+    copy, drop = consume(DLPackShim(x).__dlpack__(stream=consumer, copy=True, max_version=(1, 0)))
     seen = []
-    late.launch_kernel(S2, lambda: seen.append(read(copy)))
+    late.launch_kernel(consumer, lambda: seen.append(read(copy)))
     waits = late.sync_calls
     late.clear_log()
     drop()
     assert late.sync_calls == waits
-    assert f"cudaFreeAsync({S2})" in late.log() and "cudaFree()" not in late.log()
-    late.run_stream(S2)
+    assert f"cudaFreeAsync({consumer})" in late.log() and "cudaFree()" not in late.log()
+    late.run_stream(consumer)
     np.testing.assert_array_equal(seen[0], ORIGINAL)
 
 
@@ -667,3 +668,44 @@ def test_a_view_made_before_the_runtime_was_loaded_still_orders_its_release(cuda
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["dropped", "0", "kernel", "0", "ran", "1"]
+
+
+SPARE_EVENTS_SCRIPT = textwrap.dedent("""
+    import ctypes, os, sys
+    import numpy as np
+    sys.path.insert(0, {support!r})
+    from support.cuda_double import CudaDouble, DEVICE
+    from support.cai_objects import CaiArray, register
+    from support.dlpack_ctypes import DLManagedTensorVersioned
+    import cai_dlpack
+    double = CudaDouble(os.environ["CAI_DLPACK_CUDART"])
+    double.add_stream(0x5000, 0)
+    double.add_stream(0x6000, 0)
+    host = np.arange(8, dtype=np.float32)
+    register(double, host, DEVICE)
+    api = ctypes.pythonapi
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    for cycle in range(6):
+        capsule = cai_dlpack.cai2dlpack(CaiArray(host, stream=0x5000), stream=0x6000, max_version=(1, 0))
+        address = api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+        api.PyCapsule_SetName(capsule, b"used_dltensor_versioned")
+        deleter = ctypes.cast(DLManagedTensorVersioned.from_address(address).deleter, ctypes.c_void_p).value
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(deleter)(address)   # a release recorded on 0x6000
+        cai_dlpack._core._pending_releases()                        # made: its event is kept for the next
+        if cycle == 0:
+            double.clear_log()
+    print(sum(line.startswith("cudaEventCreate") for line in double.log()), flush=True)
+""")
+
+
+def test_a_steady_stream_of_releases_reuses_one_event(cudart):
+    """In a fresh process (no event kept yet), one ordered release after another: the first makes the event each
+    later one reuses, so no event is created after the first cycle."""
+    support = os.path.join(os.path.dirname(__file__), os.pardir)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", SPARE_EVENTS_SCRIPT.format(support=support)], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0"]
