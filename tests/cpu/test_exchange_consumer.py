@@ -132,6 +132,22 @@ def test_the_c_api_falls_back_the_same_way(producer, example):
             example.fill(tensor, -1)
 
 
+def test_when_the_borrowed_call_fails_fill_tensor_reads_the_interface_cleanly(producer, example):
+    """A table whose borrowed call fails, on an object that also has an array interface: fill_tensor reads the
+    interface, with the table's error cleared (none is left set, nor raised later)."""
+    x = np.arange(6.0)
+
+    class Described(producer.Tensor):
+        @property
+        def __array_interface__(self):
+            return dict(x.__array_interface__)
+
+    for failure in (1, 2):
+        producer.configure(from_object_fails=failure)
+        assert example.fill(Described(x), -1)["shape"] == (6,)
+        assert producer.counts()["dltensor"] >= 1
+
+
 # ---- what __dlpack__ refuses and a table exports anyway ---------------------------------------------------
 
 @needs_torch
