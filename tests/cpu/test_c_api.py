@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import sysconfig
+import threading
 import weakref
 
 import numpy as np
@@ -238,6 +239,17 @@ def test_exchange_dltensor_refusal_of_read_only_memory_orders_no_streams(cudart)
     assert ordering == []
 
 
+def test_exchange_dltensor_refuses_an_object_that_borrowed_our_table(example):
+    """A class may hand on our exchange table as its own: dltensor_from_py_object_no_sync fails with TypeError for
+    its objects, which are neither a DLPackShim nor a DLPackView (a C consumer, which trusts the status, lends
+    nothing)."""
+    class Borrowed:
+        __dlpack_c_exchange_api__ = DLPackShim.__dlpack_c_exchange_api__
+
+    with pytest.raises(TypeError, match="Borrowed is neither a DLPackShim nor a DLPackView"):
+        example.exchange_dltensor(Borrowed())
+
+
 def test_exchange_dltensor_of_a_view_fails_when_its_stream_cannot_be_ordered(cudart, example):
     """dltensor_from_py_object_no_sync of a view made for stream S1 orders S1 before the legacy default stream it
     tells the consumer to work on; when the runtime refuses that ordering the call fails with the runtime's error,
@@ -251,6 +263,30 @@ def test_exchange_dltensor_of_a_view_fails_when_its_stream_cannot_be_ordered(cud
     with pytest.raises(cai_dlpack.CudaError, match="cudaEventRecord") as raised:
         example.exchange_dltensor(view)
     assert raised.value.call == "cudaEventRecord" and raised.value.code == 1
+
+
+def test_exchange_dltensor_of_a_view_no_other_thread_can_order_is_refused_there(cudart, example):
+    """A view made for this thread's per-thread default stream while it captured a graph has no event that marks
+    its data ready: on another thread dltensor_from_py_object_no_sync cannot order it before the stream it reports,
+    and fails with BufferError there (a C consumer, which trusts the status, lends nothing)."""
+    host = np.arange(8, dtype=np.float32)
+    register(cudart, host, DEVICE, device=0)
+    capture = cudart.begin_capture(2, 0)
+    view = dlpack2cai(DLPackShim(CaiArray(host)), stream=2)
+    assert cudart.end_capture(capture)
+    outcome = []
+
+    def lend():
+        try:
+            outcome.append(example.exchange_dltensor(view))
+        except Exception as error:  # noqa: BLE001 (what the other thread saw is the result)
+            outcome.append(error)
+
+    other = threading.Thread(target=lend)
+    other.start()
+    other.join()
+    assert type(outcome[0]) is BufferError and "made with stream=2 on another thread" in str(outcome[0]), outcome
+    assert example.exchange_dltensor(view)["data"] == host.ctypes.data  # on the thread that made it: lent
 
 
 def test_exchange_allocator(cudart, example):

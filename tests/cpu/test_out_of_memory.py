@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai
+from support import c_example
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE
 
@@ -64,3 +65,19 @@ def test_paths_under_allocation_failure(cudart):
     assert (sys.getrefcount(host), sys.getrefcount(holder), sys.getrefcount(view)) == before
     assert cudart.current_device == 0
     assert np.asarray(dlpack2cai(cai2dlpack(holder))).tolist() == host.tolist()  # and all still works
+
+
+def test_exchange_dltensor_under_allocation_failure_fails_with_memory_error():
+    """dltensor_from_py_object_no_sync of a shim lends shape and strides from storage the shim makes at its first
+    such call: when that allocation fails, the call fails with MemoryError, so a C consumer, which trusts the
+    status, lends nothing; it never says success with an error set (SystemError) or crashes."""
+    example = c_example.build()
+    x = np.arange(20.0).reshape(4, 5)
+    shims = []
+
+    def lend():
+        shims.append(DLPackShim(x))  # a fresh shim: its storage is made by the call below
+        assert example.exchange_dltensor(shims[-1])["shape"] == (4, 5)
+
+    assert fail_each_allocation(lend) > 0
+    assert example.exchange_dltensor(DLPackShim(x))["shape"] == (4, 5)
