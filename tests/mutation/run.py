@@ -689,7 +689,12 @@ def merge(args):
         if (part["seed"], part["count"]) != (args.seed, args.count):
             raise SystemExit(f"{path} is of seed {part['seed']}, count {part['count']}")
         for position, result in enumerate(part["results"]):
-            results[result.get("index", position)] = result
+            index = result.get("index", position)
+            # An index names a mutant only for one csrc/: a rerun made after csrc/ changed may name another.
+            if index in results and results[index]["id"] != result["id"]:
+                raise SystemExit(f"{path}: sampled mutant {index} is {result['id']!r} there but "
+                                 f"{results[index]['id']!r} in an earlier part (csrc/ changed between them?)")
+            results[index] = result
         deselected.update(part["deselected"])
         started.append(part.get("started", ""))
         elapsed = max(elapsed, part.get("elapsed_min", 0.0))
