@@ -171,3 +171,15 @@ def test_cuda_runtime_info_reports_the_double(cudart):
     assert info["path"].endswith("libcudart_double.so")
     assert info["source"] == "CAI_DLPACK_CUDART" and info["file"] == info["path"]
     assert info["device_count"] == 4 and info["version"] == 13000
+
+
+def test_dtype_none_and_the_other_keywords_leave_the_asked_type_alone():
+    """dtype=None reads the interface's own type, whatever other keyword is given; a dtype= is applied whatever
+    other keyword is given (dl_device=None, the data's own device, among them)."""
+    bits = np.zeros(3, np.uint16)
+    plain = read_capsule(cai2dlpack(bits, max_version=(1, 0)))
+    assert plain["dtype"] == (1, 16, 1)
+    for keywords in ({}, {"dl_device": None}, {"dl_device": (1, 0)}, {"copy": None}, {"stream": None}):
+        assert read_capsule(cai2dlpack(bits, dtype=None, max_version=(1, 0), **keywords)) == plain
+        asked = read_capsule(cai2dlpack(bits, dtype="bfloat16", max_version=(1, 0), **keywords))
+        assert asked["dtype"] == (4, 16, 1) and asked["data"] == plain["data"]

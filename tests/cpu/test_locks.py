@@ -2,8 +2,10 @@
 again by its holder. Before Python 3.13 a cdl_lock is a POSIX mutex, which says nothing when it is unlocked unheld
 (the runtime's publication, the event pool and the pending releases would then be open to a second thread with
 no error anywhere): a checker loaded in front of the C library (tests/lock_checker) watches every lock and unlock
-the module makes while a child process uses each lock. From 3.13 a cdl_lock is a PyMutex, whose unlock of an
-unheld mutex is a fatal error of its own; the child's run proves the same there."""
+the module makes while a child process uses each lock. From 3.13 a cdl_lock is a PyMutex, which keeps no owner:
+unlocking an unlocked one is a fatal error of its own, but a release by a thread other than the taker passes
+unseen, and the checker sees no calls there; on 3.13+ the child's run shows only that no lock is unlocked
+twice."""
 import os
 import platform
 import subprocess

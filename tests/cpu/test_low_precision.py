@@ -218,16 +218,3 @@ def test_no_buffer_format_is_given_for_a_type_none_names(dtype, bits_type):
     assert a.__array_interface__["data"][0] == t.data_ptr()
     assert np.array_equal(a.view(np.int16 if bits_type == torch.int16 else np.uint8), t.view(bits_type).numpy())
 
-
-def test_dtype_none_and_the_other_keywords_leave_the_asked_type_alone():
-    """dtype=None reads the interface's own type, whatever other keyword is given; a dtype= is applied whatever
-    other keyword is given (dl_device=None, the data's own device, among them)."""
-    from support.dlpack_ctypes import read_capsule
-
-    bits = np.zeros(3, np.uint16)
-    plain = read_capsule(cai2dlpack(bits, max_version=(1, 0)))
-    assert plain["dtype"] == (1, 16, 1)
-    for keywords in ({}, {"dl_device": None}, {"dl_device": (1, 0)}, {"copy": None}, {"stream": None}):
-        assert read_capsule(cai2dlpack(bits, dtype=None, max_version=(1, 0), **keywords)) == plain
-        asked = read_capsule(cai2dlpack(bits, dtype="bfloat16", max_version=(1, 0), **keywords))
-        assert asked["dtype"] == (4, 16, 1) and asked["data"] == plain["data"]
