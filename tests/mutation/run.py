@@ -636,11 +636,15 @@ def write_report(path, args, results, deselected, started, elapsed_min=None):
     command = "python tests/mutation/run.py --seed {} --count {}".format(args.seed, args.count)
     if args.files:
         command += " --files " + " ".join(args.files)
+    for option in ("range", "indices", "ids"):
+        if getattr(args, option, None):
+            command += f" --{option} {getattr(args, option)}"
     lines = [
         "# Mutation run report",
         "",
         f"- command: `{command}`",
-        f"- seed: {args.seed}; mutants sampled: {len(results)} of {args.count} asked",
+        f"- seed: {args.seed}; mutants sampled: {len(results)} of {args.count} asked" if not getattr(args, "ids", None)
+        else f"- mutants: {len(results)}, the ones the ids of {args.ids} name (not a sample)",
         f"- sources: csrc at commit {git_head()} (work tree {'clean' if git_clean() else 'with changes'})",
         f"- started {started}, took {elapsed_min if elapsed_min is not None else round((time.monotonic() - args.t0) / 60, 1)} min",
         f"- **score: behaviour-changing mutants killed: {score}** (a timeout, a hang, counts as killed)",
