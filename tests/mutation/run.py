@@ -62,7 +62,7 @@ SYNCED = ["CMakeLists.txt", "pyproject.toml", "csrc", "include", "python", "test
 # The tests run first for a mutant of each file: the behaviour that file owns. A mutant that passes them
 # runs the whole CPU suite.
 RELATED_TESTS = {
-    "c_api.c": ["test_c_api.py", "test_exchange_consumer.py", "test_exchange_allocator.py"],
+    "c_api.c": ["test_c_api.py", "test_exchange_consumer.py", "test_exchange_allocator.py", "test_out_of_memory.py"],
     "cai_to_dlpack.c": ["test_cai_path.py", "test_errors.py", "test_interface_lookup.py", "test_buffer_path.py",
                         "test_streams.py"],
     "copy.c": ["test_copy.py"],
