@@ -62,7 +62,7 @@ SYNCED = ["CMakeLists.txt", "pyproject.toml", "csrc", "include", "python", "test
 # The tests run first for a mutant of each file: the behaviour that file owns. A mutant that passes them
 # runs the whole CPU suite.
 RELATED_TESTS = {
-    "c_api.c": ["test_c_api.py", "test_exchange_consumer.py", "test_exchange_allocator.py"],
+    "c_api.c": ["test_c_api.py", "test_exchange_consumer.py", "test_exchange_allocator.py", "test_out_of_memory.py"],
     "cai_to_dlpack.c": ["test_fresh_dict_reader.py", "test_cai_path.py", "test_errors.py", "test_interface_lookup.py",
                         "test_buffer_path.py", "test_streams.py"],
     "copy.c": ["test_copy.py"],
@@ -636,11 +636,15 @@ def write_report(path, args, results, deselected, started, elapsed_min=None):
     command = "python tests/mutation/run.py --seed {} --count {}".format(args.seed, args.count)
     if args.files:
         command += " --files " + " ".join(args.files)
+    for option in ("range", "indices", "ids"):
+        if getattr(args, option, None):
+            command += f" --{option} {getattr(args, option)}"
     lines = [
         "# Mutation run report",
         "",
         f"- command: `{command}`",
-        f"- seed: {args.seed}; mutants sampled: {len(results)} of {args.count} asked",
+        f"- seed: {args.seed}; mutants sampled: {len(results)} of {args.count} asked" if not getattr(args, "ids", None)
+        else f"- mutants: {len(results)}, the ones the ids of {args.ids} name (not a sample)",
         f"- sources: csrc at commit {git_head()} (work tree {'clean' if git_clean() else 'with changes'})",
         f"- started {started}, took {elapsed_min if elapsed_min is not None else round((time.monotonic() - args.t0) / 60, 1)} min",
         f"- **score: behaviour-changing mutants killed: {score}** (a timeout, a hang, counts as killed)",
