@@ -395,6 +395,17 @@ def test_pinned_copy_on_the_producers_legacy_stream_keeps_its_source_until_that_
 
 # ---- interpreter exit ---------------------------------------------------------------------------------------
 
+def child_output(script, **fields):
+    """The words a fresh Python process running script (its {support} and other fields filled in) printed; it
+    must exit cleanly."""
+    support = os.path.join(os.path.dirname(__file__), os.pardir)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", script.format(support=support, **fields)], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
 EXIT_SCRIPT = textwrap.dedent("""
     import ctypes, os, sys, weakref
     import numpy as np
@@ -433,12 +444,8 @@ EXIT_SCRIPT = textwrap.dedent("""
 def test_exit_waits_a_bounded_time_for_pending_releases(run_later):
     """At exit pending releases are waited for, at most 2 s: one whose stream runs meanwhile is released; one whose
     stream never runs is left (its memory may still be read), and the process ends cleanly either way."""
-    support = os.path.join(os.path.dirname(__file__), os.pardir)
-    script = EXIT_SCRIPT.format(support=support, run_later=run_later)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["pending", "1", "exiting"] + (["released"] if run_later else [])
+    expected = ["pending", "1", "exiting"] + (["released"] if run_later else [])
+    assert child_output(EXIT_SCRIPT, run_later=run_later) == expected
 
 
 def fill_to_the_bound(cudart, first_kernel=None):
@@ -662,12 +669,7 @@ FIRST_VIEW_SCRIPT = textwrap.dedent("""
 def test_a_view_made_before_the_runtime_was_loaded_still_orders_its_release(cudart):
     """In a process where nothing has loaded the CUDA runtime yet, a view of another library's device tensor
     asks the runtime nothing: its release must load it to be ordered after the view's stream."""
-    support = os.path.join(os.path.dirname(__file__), os.pardir)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run([sys.executable, "-c", FIRST_VIEW_SCRIPT.format(support=support)], env=env,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["dropped", "0", "kernel", "0", "ran", "1"]
+    assert child_output(FIRST_VIEW_SCRIPT) == ["dropped", "0", "kernel", "0", "ran", "1"]
 
 
 SPARE_EVENTS_SCRIPT = textwrap.dedent("""
@@ -703,9 +705,4 @@ SPARE_EVENTS_SCRIPT = textwrap.dedent("""
 def test_a_steady_stream_of_releases_reuses_one_event(cudart):
     """In a fresh process (no event kept yet), one ordered release after another: the first makes the event each
     later one reuses, so no event is created after the first cycle."""
-    support = os.path.join(os.path.dirname(__file__), os.pardir)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run([sys.executable, "-c", SPARE_EVENTS_SCRIPT.format(support=support)], env=env,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["0"]
+    assert child_output(SPARE_EVENTS_SCRIPT) == ["0"]
