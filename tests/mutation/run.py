@@ -593,7 +593,7 @@ def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
     suite = ["tests/cpu"] + [arg for t in SUITE_EXCLUDED for arg in ("--ignore", os.path.join("tests", "cpu", t))]
     for stage, tests, timeout in (("related tests", related, args.test_timeout),
                                   ("whole CPU suite", suite, args.suite_timeout)):
-        if not tests:
+        if not tests or (stage == "whole CPU suite" and args.no_suite):
             continue
         result["stage"] = stage
         while True:
@@ -621,6 +621,8 @@ def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
         raise SystemExit("the guard refused the mutant's module:\n" + detail)
     result["status"] = {"pass": "survived", "fail": "killed", "timeout": "timeout", "inconclusive": "inconclusive"}[outcome]
     result["detail"] = detail if outcome != "timeout" else f"a hang: no result within the time limit ({result['stage']})"
+    if outcome == "pass" and args.no_suite:
+        result["detail"] = "outlived its file's tests; the whole suite was not run (--no-suite)"
     result["seconds"] = round(time.monotonic() - started, 1)
     return result
 
@@ -639,6 +641,8 @@ def write_report(path, args, results, deselected, started, elapsed_min=None):
     for option in ("range", "indices", "ids"):
         if getattr(args, option, None):
             command += f" --{option} {getattr(args, option)}"
+    if getattr(args, "no_suite", False):
+        command += " --no-suite"
     lines = [
         "# Mutation run report",
         "",
@@ -737,6 +741,9 @@ def main():
     parser.add_argument("--workdir", default=WORK, help="the folder of the tree, build and packages")
     parser.add_argument("--merge", nargs="*", default=None, help="JSON reports of the ranges of one run: writes "
                         "their combined report to --report and stops (a mutant in two of them: the later one's result)")
+    parser.add_argument("--no-suite", action="store_true", help="a first pass: a mutant that outlives its file's "
+                        "tests is reported as a survivor without the whole suite (run again by --ids once a test "
+                        "is written, or without this flag to confirm it)")
     parser.add_argument("--build-timeout", type=int, default=300)
     parser.add_argument("--test-timeout", type=int, default=300, help="seconds for a mutant's related tests")
     parser.add_argument("--suite-timeout", type=int, default=900, help="seconds for the whole CPU suite")
