@@ -183,3 +183,19 @@ def test_dtype_none_and_the_other_keywords_leave_the_asked_type_alone():
         assert read_capsule(cai2dlpack(bits, dtype=None, max_version=(1, 0), **keywords)) == plain
         asked = read_capsule(cai2dlpack(bits, dtype="bfloat16", max_version=(1, 0), **keywords))
         assert asked["dtype"] == (4, 16, 1) and asked["data"] == plain["data"]
+
+
+@pytest.mark.parametrize("max_version,name", [
+    (None, "dltensor"), ((0, 0), "dltensor"), ((0, 8), "dltensor"),
+    ((1, 0), "dltensor_versioned"), ((1, 9), "dltensor_versioned"), ((2, 0), "dltensor_versioned")])
+def test_max_version_picks_the_capsule_a_consumer_of_that_version_reads(max_version, name):
+    """The array API's max_version: a consumer of major version 0 (or one that names none) reads only the legacy
+    "dltensor" capsule; major 1 or newer gets "dltensor_versioned" (of this producer's own version, at most 1.x).
+    Each way in: cai2dlpack, and a shim's __dlpack__."""
+    host = np.arange(6, dtype=np.float32)
+    capsules = [cai2dlpack(host, max_version=max_version), DLPackShim(host).__dlpack__(max_version=max_version)]
+    for capsule in capsules:
+        fields = read_capsule(capsule)
+        assert fields["name"] == name
+        if name == "dltensor_versioned":
+            assert fields["version"][0] == 1

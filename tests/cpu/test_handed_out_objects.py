@@ -117,3 +117,27 @@ def test_a_view_exported_again_is_unaffected_by_edits_of_its_capsule():
     assert view.shape == (2, 3) and view.strides == (24, 8)
     np.testing.assert_array_equal(np.from_dlpack(DLPackShim(view)), x)
     assert dlpack2cai(capsule).shape == (1, 3)  # the edited tensor is the consumer's own
+
+
+@pytest.mark.parametrize("keywords,shared", [
+    ({}, True), ({"copy": None}, True), ({"copy": False}, True), ({"dl_device": (1, 0)}, True),
+    ({"dl_device": (1, 0), "copy": False}, True), ({"copy": True}, False), ({"dl_device": (1, 0), "copy": True}, False)])
+def test_a_host_view_exported_again_shares_or_copies_as_its_keywords_ask(keywords, shared):
+    """A view's own __dlpack__ reads each keyword as its own: copy=False and copy=None share the memory,
+    copy=True copies it (and says so in the flags), the data's own device (kDLCPU, 0) is no request to move it."""
+    from support.dlpack_ctypes import read_capsule
+
+    array = np.arange(6, dtype=np.float64)
+    view = dlpack2cai(array.__dlpack__(max_version=(1, 0)))
+    fields = read_capsule(view.__dlpack__(max_version=(1, 0), **keywords))
+    assert (fields["data"] == array.ctypes.data) == shared
+    assert fields["flags"] & 2 == (0 if shared else 2)  # DLPACK_FLAG_BITMASK_IS_COPIED
+    assert fields["device"] == (1, 0) and fields["shape"] == (6,)
+
+
+def test_a_host_view_asked_for_another_device_without_a_copy_is_refused():
+    """dl_device naming a device the data is not on, with no copy allowed, is the array API's BufferError."""
+    view = dlpack2cai(np.arange(6.0).__dlpack__(max_version=(1, 0)))
+    for copy in (None, False):
+        with pytest.raises(BufferError, match="dl_device"):
+            view.__dlpack__(max_version=(1, 0), dl_device=(2, 0), copy=copy)

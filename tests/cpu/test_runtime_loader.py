@@ -230,3 +230,34 @@ def test_loaded_runtime_refused_is_listed_once(tmp_path):
                     LD_LIBRARY_PATH=str(tmp_path / "nothing"))
     assert out.startswith("ERROR RuntimeError no CUDA runtime found"), out
     assert out.count("libcudart.so.13 (runtime 13.0 needs a newer driver than this CUDA 12.8 one)") == 1, out
+
+
+# An 'nvidia' on the path whose import loads the runtime itself (as another caller's search that ends while ours
+# still looks at NVIDIA's wheels) and then leaves the wheel search nothing to read, in one of three ways.
+NVIDIA_LOADING_THE_RUNTIME = {
+    "its import fails": ("nvidia.py", "raise ImportError('no wheels here')\n"),
+    "a module, not a package": ("nvidia.py", ""),
+    "a folder name UTF-8 cannot encode": ("nvidia/__init__.py", "__path__ = ['\\udcff']\n"),
+}
+
+
+@pytest.mark.parametrize("how", NVIDIA_LOADING_THE_RUNTIME)
+def test_a_search_that_another_load_overtook_answers_with_that_runtime(tmp_path, how):
+    """The search finds nothing of its own, but the runtime was loaded while it looked (here by the import of
+    'nvidia' it makes): it answers with that runtime, and the failures it met on the way are not left pending
+    (a pending error behind a success is a SystemError in the caller)."""
+    name, tail = NVIDIA_LOADING_THE_RUNTIME[how]
+    module = tmp_path / "site" / name
+    module.parent.mkdir(parents=True)
+    module.write_text(textwrap.dedent(f"""
+        import os, cai_dlpack
+        os.environ["CAI_DLPACK_CUDART"] = {os.environ['CAI_DLPACK_CUDART']!r}
+        cai_dlpack.cuda_runtime_info()
+        del os.environ["CAI_DLPACK_CUDART"]
+    """) + tail)
+    env = {k: v for k, v in os.environ.items() if k != "CAI_DLPACK_CUDART"}
+    env.update(occupy_sonames(tmp_path / "lib"))
+    first_on_path(env, tmp_path / "site")
+    result = subprocess.run([sys.executable, "-c", INFO_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"CAI_DLPACK_CUDART {os.path.realpath(os.environ['CAI_DLPACK_CUDART'])}"
