@@ -719,3 +719,15 @@ def test_a_producer_that_cannot_name_its_device_is_not_asked_during_a_blocking_c
     with pytest.raises(BufferError, match="has no data"):
         dlpack2cai(producer)
     assert producer.asked == [None]
+
+
+def test_a_producer_that_cannot_name_its_device_when_the_capture_query_fails(cudart):
+    """The producer cannot name its device and the runtime cannot say whether the legacy stream captures: the
+    query's CudaError is raised (the producer is not asked: its work might break a capture), not the producer's
+    error, and no error is left pending behind a result."""
+    cuda_runtime_info()  # the runtime is loaded
+    producer = UnnamedDevice()
+    cudart.fail("cudaStreamGetCaptureInfo", 400)
+    with pytest.raises(CudaError, match="cudaStreamGetCaptureInfo"):
+        dlpack2cai(producer)
+    assert producer.asked == []

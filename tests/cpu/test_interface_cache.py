@@ -316,3 +316,27 @@ def test_with_every_dict_watcher_taken_nothing_is_kept_and_every_dict_is_read():
     assert seen["taken"] > 0
     assert seen["info"] == {"enabled": False, "hits": 0, "stores": 0}
     assert seen["results"] == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]] * 3 + [[0.0, 1.0, 2.0]]
+
+
+@kept_only
+def test_the_test_hook_turns_keeping_off_and_on_and_raises_what_truth_raises():
+    """_set_interface_cache (the tests' switch) takes any object's truth: off keeps nothing and reuses nothing,
+    on keeps again, and an object whose truth raises leaves the setting as it was, with its own error."""
+    host = np.arange(4, dtype=np.float32)
+    iface = dict(host.__array_interface__)
+    try:
+        assert _core._set_interface_cache(0)["enabled"] is False
+        assert converted(holding(iface))[0] == (0, 0)
+        assert converted(holding(iface))[0] == (0, 0)
+
+        class Undecided:
+            def __bool__(self):
+                raise LookupError("no answer")
+
+        with pytest.raises(LookupError, match="no answer"):
+            _core._set_interface_cache(Undecided())
+        assert _core._interface_cache_info()["enabled"] is False
+    finally:
+        assert _core._set_interface_cache([1])["enabled"] is True
+    assert converted(holding(iface))[0] == (0, 1)
+    assert converted(holding(iface))[0] == (1, 0)

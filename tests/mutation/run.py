@@ -72,7 +72,7 @@ RELATED_TESTS = {
                         "test_lifetime.py"],
     "dtype.c": ["test_low_precision.py", "test_errors.py", "test_cai_path.py", "test_buffer_path.py"],
     "exchange_alloc.c": ["test_exchange_allocator.py"],
-    "interface_cache.c": ["test_interface_cache.py", "test_cai_path.py"],
+    "interface_cache.c": ["test_interface_cache.py", "test_cai_path.py", "test_fresh_dict_reader.py"],
     "managed_tensor.c": ["test_lifetime.py", "test_ordered_release.py", "test_handed_out_objects.py",
                          "test_cai_path.py", "test_view_buffer.py", "test_exchange_consumer.py", "test_dlpack_1_4.py",
                          "test_errors.py"],
