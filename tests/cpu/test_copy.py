@@ -863,3 +863,45 @@ def test_pinned_view_host_copy_waits_for_the_views_stream(cudart):
     np.testing.assert_array_equal(np.from_dlpack(view, device="cpu"), a)
     log = cudart.log()
     assert any(line.startswith("cudaStreamSynchronize(1)") and line.endswith("@ctx1") for line in log), log
+
+
+def others_ran_during(call):
+    """Whether another Python thread ran while call() did: the thread waits for the GIL before call starts, and
+    with the switch interval far longer than the test, it can take the GIL only where call releases it."""
+    import threading
+    import time
+
+    go, done, ran = threading.Event(), threading.Event(), []
+
+    def other():
+        go.wait()
+        ran.append(True)  # needs the GIL
+        done.set()
+
+    thread = threading.Thread(target=other)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        thread.start()
+        go.set()
+        deadline = time.perf_counter() + 0.05
+        while time.perf_counter() < deadline:  # holding the GIL: the other thread is woken and waits for it
+            pass
+        call()
+        answer = bool(ran)
+    finally:
+        sys.setswitchinterval(interval)
+        done.wait(10)
+        thread.join(10)
+    return answer
+
+
+@pytest.mark.skipif(not getattr(sys, "_is_gil_enabled", lambda: True)(), reason="a free-threaded build has no GIL")
+def test_large_host_copies_release_the_gil_small_ones_keep_it():
+    """A host copy of 64 KiB or more gathers with the GIL released (other threads run meanwhile); a smaller one
+    keeps it (releasing would cost more than the copy)."""
+    large = np.ones((1024, 4096), dtype=np.float64)[:, ::2]  # 16 MiB gathered from a strided source
+    small = np.ones(64, dtype=np.float64)[::2]
+    # (a thread the machine was slow to wake may miss one copy's window: three tries; a held GIL misses all)
+    assert any(others_ran_during(lambda: DLPackShim(large).__dlpack__(copy=True)) for _ in range(3))
+    assert not others_ran_during(lambda: DLPackShim(small).__dlpack__(copy=True))

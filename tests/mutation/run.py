@@ -69,7 +69,7 @@ RELATED_TESTS = {
     "cuda_runtime.c": ["test_runtime_loader.py", "test_device_context.py", "test_streams.py",
                        "test_graph_capture.py", "test_locks.py"],
     "dlpack_to_cai.c": ["test_view_buffer.py", "test_exchange_consumer.py", "test_handed_out_objects.py",
-                        "test_lifetime.py"],
+                        "test_lifetime.py", "test_errors.py"],
     "dtype.c": ["test_low_precision.py", "test_errors.py", "test_cai_path.py", "test_buffer_path.py"],
     "exchange_alloc.c": ["test_exchange_allocator.py"],
     "interface_cache.c": ["test_interface_cache.py", "test_cai_path.py", "test_fresh_dict_reader.py"],
@@ -79,7 +79,8 @@ RELATED_TESTS = {
     "module.c": ["test_errors.py", "test_self_check.py", "test_cai_path.py"],
     "names.c": ["test_errors.py", "test_cai_path.py"],
     "ordered_release.c": ["test_ordered_release.py", "test_lifetime.py", "test_graph_capture.py", "test_locks.py"],
-    "shim.c": ["test_shim_read_once.py", "test_handed_out_objects.py", "test_cai_path.py"],
+    "shim.c": ["test_shim_read_once.py", "test_handed_out_objects.py", "test_cai_path.py", "test_errors.py",
+               "test_low_precision.py"],
     "stream_sync.c": ["test_streams.py", "test_graph_capture.py", "test_lifetime.py", "test_locks.py"],
     "cdl_internal.h": ["test_cai_path.py", "test_view_buffer.py", "test_copy.py", "test_buffer_path.py"],
 }
