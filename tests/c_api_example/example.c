@@ -4,6 +4,7 @@
 #include <Python.h>
 #include <cai_dlpack/cai_dlpack.h>
 #include <limits.h>
+#include <string.h>
 
 static const cai_dlpack_api *api;
 
@@ -202,7 +203,52 @@ static PyObject *exchange_work_stream(PyObject *self, PyObject *args)
     return PyLong_FromVoidPtr(stream);
 }
 
+/* status_of(door, obj, stream) -> (what the call returned, the exception it set or None, whether it handed out a
+ * tensor): the exception is taken, not raised, so that a test can hold each door to the convention (0 and no
+ * exception, or -1 and one). door: "to_managed_tensor", "fill_tensor", or an exchange call of obj's type,
+ * "managed_tensor_from_py_object_no_sync" or "dltensor_from_py_object_no_sync". */
+static PyObject *status_of(PyObject *self, PyObject *args)
+{
+    (void)self;
+    const char *door;
+    PyObject *obj;
+    long long stream;
+    if (!PyArg_ParseTuple(args, "sOL", &door, &obj, &stream))
+        return NULL;
+    const DLPackExchangeAPI *exchange = NULL;
+    if (strstr(door, "_no_sync") != NULL && (exchange = exchange_api_of((PyObject *)Py_TYPE(obj))) == NULL)
+        return NULL;
+    DLManagedTensorVersioned *m = NULL;
+    DLTensor t;
+    int64_t shape[CAI_DLPACK_MAX_NDIM], strides[CAI_DLPACK_MAX_NDIM];
+    int status;
+    if (strcmp(door, "to_managed_tensor") == 0)
+        status = api->to_managed_tensor(obj, stream, &m);
+    else if (strcmp(door, "fill_tensor") == 0)
+        status = api->fill_tensor(obj, stream, &t, shape, strides, CAI_DLPACK_MAX_NDIM, NULL);
+    else if (strcmp(door, "managed_tensor_from_py_object_no_sync") == 0)
+        status = exchange->managed_tensor_from_py_object_no_sync(obj, &m);
+    else if (strcmp(door, "dltensor_from_py_object_no_sync") == 0)
+        status = exchange->dltensor_from_py_object_no_sync(obj, &t);
+    else
+        return PyErr_Format(PyExc_ValueError, "no door %s", door);
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *value = PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    Py_XDECREF(type);
+    Py_XDECREF(traceback);
+#endif
+    int handed_out = m != NULL;
+    if (m != NULL)
+        m->deleter(m);
+    return Py_BuildValue("(iNO)", status, value ? value : Py_NewRef(Py_None), handed_out ? Py_True : Py_False);
+}
+
 static PyMethodDef methods[] = {
+    {"status_of", status_of, METH_VARARGS, NULL},
     {"fill", fill, METH_VARARGS, NULL},
     {"fill_small", fill_small, METH_O, NULL},
     {"managed", managed, METH_VARARGS, NULL},

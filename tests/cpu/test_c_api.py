@@ -110,6 +110,44 @@ def test_errors(example):
         example.managed(CaiArray(np.zeros(2), typestr="<f16"), 1)
 
 
+class NoInterface:
+    pass
+
+
+# (door, object, stream, the exception a failure raises or None for a success): each door's failures of each
+# kind (a refused stream, a dict, an object with no interface, an interface that does not read) and a success.
+DOOR_CALLS = [
+    ("to_managed_tensor", np.zeros(2), -1, None),
+    ("to_managed_tensor", np.zeros(2), 0, ValueError),
+    ("to_managed_tensor", {"shape": (2,)}, -1, TypeError),
+    ("to_managed_tensor", NoInterface(), -1, TypeError),
+    ("to_managed_tensor", CaiArray(np.zeros(2), typestr="<f16"), 1, ValueError),
+    ("fill_tensor", np.zeros(2), -1, None),
+    ("fill_tensor", np.zeros(2), -2, ValueError),
+    ("fill_tensor", NoInterface(), -1, TypeError),
+    ("fill_tensor", CaiArray(np.zeros(2), typestr="<f16"), 1, ValueError),
+    ("managed_tensor_from_py_object_no_sync", DLPackShim(np.zeros(2)), 0, None),
+    ("managed_tensor_from_py_object_no_sync", DLPackShim(NoInterface()), 0, TypeError),
+    ("managed_tensor_from_py_object_no_sync", DLPackShim(CaiArray(np.zeros(2), typestr="<f16")), 0, ValueError),
+    ("dltensor_from_py_object_no_sync", DLPackShim(np.zeros(2)), 0, None),
+    ("dltensor_from_py_object_no_sync", DLPackShim(NoInterface()), 0, TypeError),
+    ("dltensor_from_py_object_no_sync", DLPackShim(np.broadcast_to(np.zeros(1), (2,))), 0, BufferError),
+]
+
+
+@pytest.mark.parametrize("door,obj,stream,error", DOOR_CALLS,
+                         ids=[f"{d}-{type(o).__name__}-{s}-{e.__name__ if e else 'ok'}" for d, o, s, e in DOOR_CALLS])
+def test_every_door_returns_0_or_minus_1_with_an_exception(example, door, obj, stream, error):
+    """The C API's convention, held to by value (a caller may test `== -1`, or `!= 0`): 0 with no exception set
+    and, where the door hands out a tensor, a tensor; -1 with an exception set and no tensor."""
+    status, raised, handed_out = example.status_of(door, obj, stream)
+    if error is None:
+        assert (status, raised) == (0, None)
+        assert handed_out == door.startswith(("to_managed", "managed"))
+    else:
+        assert status == -1 and isinstance(raised, error) and not handed_out, (status, raised)
+
+
 @needs_torch
 def test_reference_counts_are_stable(example):
     x = np.arange(10.0)
