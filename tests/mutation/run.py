@@ -31,6 +31,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -413,11 +414,43 @@ def check_tree_clean(sources):
 
 
 def configure():
-    if os.path.exists(os.path.join(CMAKE_DIR, "build.ninja")):
+    if os.path.exists(os.path.join(CMAKE_DIR, "build.ninja")) and \
+            os.path.exists(os.path.join(CMAKE_DIR, "compile_commands.json")):
         return
     subprocess.run(["cmake", "-S", TREE, "-B", CMAKE_DIR, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                    "-DCAI_DLPACK_WERROR=ON", f"-DPython_EXECUTABLE={sys.executable}"],
+                    "-DCAI_DLPACK_WERROR=ON", "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
+                    f"-DPython_EXECUTABLE={sys.executable}"],
                    check=True, stdout=subprocess.DEVNULL)
+
+
+def compiled_lines():
+    """{source path: the line numbers this build compiles}: each C file of the module preprocessed with its own
+    compile command (CMake's compile_commands.json), the lines the preprocessor kept read from its line markers;
+    a header's lines are those any file kept. A line outside them sits in a branch this interpreter's build
+    leaves out (#if for CPython 3.12+, the free-threaded build, another toolchain): no mutant of it can be
+    tested here."""
+    with open(os.path.join(CMAKE_DIR, "compile_commands.json")) as f:
+        commands = json.load(f)
+    kept = {}
+    for entry in commands:
+        if not entry["file"].endswith(".c"):
+            continue
+        words = shlex.split(entry["command"])
+        if "-o" in words:
+            at = words.index("-o")
+            del words[at:at + 2]
+        words = [w for w in words if w != "-c"] + ["-E"]
+        out = subprocess.run(words, cwd=entry["directory"], capture_output=True, text=True, check=True).stdout
+        current, line = None, 0
+        for text in out.splitlines():
+            marker = re.match(r'# (\d+) "(.*)"', text)
+            if marker:
+                line, current = int(marker.group(1)), os.path.realpath(marker.group(2))
+                continue
+            if current is not None and text.strip():
+                kept.setdefault(current, set()).add(line)
+            line += 1
+    return kept
 
 
 def build(timeout):
@@ -561,9 +594,19 @@ def is_test_id(text):
     return text.startswith("tests/") and "::" in text
 
 
+# compiled_lines() of the unmutated tree, read once a run starts.
+COMPILED = {}
+
+
 def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
     result = site.describe()
     started = time.monotonic()
+    kept = COMPILED.get(os.path.realpath(site.path), set())
+    if not any(line in kept for line in range(site.first + 1, site.last + 2)):
+        result["status"] = "not built here"
+        result["detail"] = (f"the line is in a branch this build leaves out (Python {sys.version.split()[0]}): "
+                            "run the mutation with an interpreter whose build compiles it")
+        return result
     with open(site.path) as f:
         original_text = f.read()
     try:
@@ -633,7 +676,8 @@ def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
 
 def write_report(path, args, results, deselected, started, elapsed_min=None):
     counts = {s: sum(1 for r in results if r["status"] == s)
-              for s in ("killed", "timeout", "survived", "equivalent", "did not compile", "inconclusive")}
+              for s in ("killed", "timeout", "survived", "equivalent", "did not compile", "inconclusive",
+                        "not built here")}
     changing = counts["killed"] + counts["timeout"] + counts["survived"]
     killed = counts["killed"] + counts["timeout"]
     score = f"{killed} of {changing} ({100.0 * killed / changing:.1f}%)" if changing else "n/a"
@@ -666,6 +710,8 @@ def write_report(path, args, results, deselected, started, elapsed_min=None):
     for title, status in (("Survivors", "survived"), ("Equivalent mutants", "equivalent"),
                           ("Hangs (counted as killed)", "timeout"), ("Did not compile", "did not compile"),
                           ("Inconclusive: the unmutated module fails the same tests (not counted)", "inconclusive"),
+                          ("Not built here: a branch this interpreter's build leaves out (not counted)",
+                           "not built here"),
                           ("Killed", "killed")):
         chosen = [r for r in results if r["status"] == status]
         if not chosen:
@@ -809,6 +855,7 @@ def main():
             print(f"equivalent.txt names no site of csrc/ (its line changed, or it names a place that is one of "
                   f"several without its #k): {stale}", flush=True)
     configure()
+    COMPILED.update(compiled_lines())
     ok, module, output = build(args.build_timeout)
     if not ok:
         raise SystemExit("the unmutated tree does not build:\n" + output)
