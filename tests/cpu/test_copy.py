@@ -351,6 +351,27 @@ def test_device_copy_freed_on_a_thread_without_the_gil(cudart):
     assert freed(cudart.log()) == 1
 
 
+@pytest.mark.parametrize("where", ["the thread that asked", "another thread"])
+def test_device_copy_for_the_per_thread_stream_is_freed_on_a_stream_its_freeing_thread_can_name(cudart, where):
+    """A copy made for a consumer on the per-thread default stream (2) is freed stream-ordered there by the
+    thread that asked for it; another thread's 2 is another stream, so a free from there goes on the legacy
+    stream (1), which runs after every blocking stream's work, the consumer's included."""
+    source, obj = device_source(cudart, "contiguous")
+    capsule = DLPackShim(obj).__dlpack__(stream=2, copy=True, max_version=(1, 0))
+    address = _api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+    _api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    _api.PyCapsule_SetName(capsule, b"used_dltensor_versioned")  # consumed: ours to delete
+    deleter = ctypes.cast(DLManagedTensorVersioned.from_address(address).deleter, ctypes.c_void_p).value
+    cudart.clear_log()
+    if where == "another thread":
+        cudart.lib.double_call_in_thread.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        assert cudart.lib.double_call_in_thread(deleter, address) == 0
+    else:
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(deleter)(address)
+    frees = [line for line in cudart.log() if line.startswith(("cudaFree", "cudaFreeAsync"))]
+    assert frees == ["cudaFreeAsync(2)" if where == "the thread that asked" else "cudaFreeAsync(1)"], cudart.log()
+
+
 def test_device_copy_freed_while_the_interpreter_finalizes(tmp_path):
     log_path = tmp_path / "log.txt"
     script = textwrap.dedent("""
