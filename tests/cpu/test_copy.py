@@ -551,6 +551,22 @@ def test_device_copy_on_the_legacy_stream_refused_while_a_blocking_stream_captur
     assert cudart.violations == 0 and cudart.end_capture(capture)
 
 
+@pytest.mark.parametrize("consumer", [None, 1, -1])
+def test_an_empty_device_copy_is_made_while_a_blocking_stream_captures(cudart, consumer):
+    """An empty copy queues nothing on any stream: a blocking capture, which forbids the legacy stream, does not
+    refuse it, and it uses no stream the capture forbids."""
+    source, obj = device_source(cudart, "empty", stream=None)
+    capture = cudart.begin_capture(S2, blocking=True)
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(stream=consumer, copy=True, max_version=(1, 0))
+    fields = read_capsule(capsule)
+    assert fields["shape"] == source.shape and fields["device"] == (kDLCUDA, 0) and fields["flags"] == IS_COPIED
+    del capsule
+    assert copies_in(cudart.log()) == []
+    assert not any(line.startswith(("cudaEventRecord", "cudaStreamWaitEvent")) for line in cudart.log())
+    assert cudart.violations == 0 and cudart.end_capture(capture)
+
+
 @pytest.mark.parametrize("capture_device, refused", [(1, True), (0, False)])
 @pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
 def test_pinned_copy_on_the_callers_legacy_stream_refused_while_its_device_captures(cudart, kind, capture_device,
@@ -922,7 +938,11 @@ def test_large_host_copies_release_the_gil_small_ones_keep_it():
     """A host copy of 64 KiB or more gathers with the GIL released (other threads run meanwhile); a smaller one
     keeps it (releasing would cost more than the copy)."""
     large = np.ones((1024, 4096), dtype=np.float64)[:, ::2]  # 16 MiB gathered from a strided source
+    at_the_threshold = np.ones(2 * 65536, dtype=np.uint8)[::2]  # 64 KiB exactly
+    below = np.ones(2 * 65535, dtype=np.uint8)[::2]
     small = np.ones(64, dtype=np.float64)[::2]
     # (a thread the machine was slow to wake may miss one copy's window: three tries; a held GIL misses all)
-    assert any(others_ran_during(lambda: DLPackShim(large).__dlpack__(copy=True)) for _ in range(3))
-    assert not others_ran_during(lambda: DLPackShim(small).__dlpack__(copy=True))
+    for released in (large, at_the_threshold):
+        assert any(others_ran_during(lambda: DLPackShim(released).__dlpack__(copy=True)) for _ in range(3))
+    for kept in (below, small):
+        assert not others_ran_during(lambda: DLPackShim(kept).__dlpack__(copy=True))

@@ -105,6 +105,34 @@ def test_instance_keys_that_are_not_the_interned_names_are_still_found(cudart, m
     assert view.device == (2, 0) and view.shape == (4,)  # the CAI, as getattr finds it, wins
 
 
+class ExplodingKey:
+    """An instance-dict key that hashes as the interface's name and raises when compared with it."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __hash__(self):
+        return hash(self.name)
+
+    def __eq__(self, other):
+        raise LookupError(f"{self.name} cannot be compared")
+
+
+@pytest.mark.parametrize("name", ["__cuda_array_interface__", "__array_interface__"])
+@pytest.mark.parametrize("extra_attributes", [0, 8], ids=["a small dict", "a large dict"])
+def test_an_instance_dict_lookup_that_raises_passes_the_error_on(name, extra_attributes):
+    """The instance dict holds a key whose comparison with the name raises: getattr raises that error, and so
+    does the conversion (nothing is read past it, and no error is left behind a result)."""
+    made = type("Fresh", (), {})()
+    for i in range(extra_attributes):
+        setattr(made, f"a{i}", i)
+    made.__dict__[ExplodingKey(name)] = 1
+    with pytest.raises(LookupError, match="cannot be compared"):
+        getattr(made, name)
+    with pytest.raises(LookupError, match="cannot be compared"):
+        cai2dlpack(made)
+
+
 @pytest.mark.parametrize("extra_attributes", [0, 3, 8])
 def test_other_instance_attributes_do_not_hide_the_interface(extra_attributes):
     x = np.arange(5.0)

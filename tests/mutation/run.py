@@ -65,7 +65,7 @@ SYNCED = ["CMakeLists.txt", "pyproject.toml", "csrc", "include", "python", "test
 RELATED_TESTS = {
     "c_api.c": ["test_c_api.py", "test_exchange_consumer.py", "test_exchange_allocator.py", "test_out_of_memory.py"],
     "cai_to_dlpack.c": ["test_fresh_dict_reader.py", "test_cai_path.py", "test_errors.py", "test_interface_lookup.py",
-                        "test_buffer_path.py", "test_streams.py"],
+                        "test_buffer_path.py", "test_streams.py", "test_low_precision.py"],
     "copy.c": ["test_copy.py"],
     "cuda_runtime.c": ["test_runtime_loader.py", "test_device_context.py", "test_streams.py",
                        "test_graph_capture.py", "test_locks.py"],
