@@ -46,3 +46,13 @@ def pytest_sessionfinish(session, exitstatus):
     if reporter is not None:
         reporter.write_line(f"FAILED: the GIL was turned on during this free-threaded run{forced}", red=True)
     session.exitstatus = 1
+
+
+def pytest_collection_finish(session):
+    """What the imports and the collection made (torch's, NumPy's, Hypothesis' objects, the parameters) lives to
+    the end of the run: frozen out of the collector's reach, so that the collections tests ask for (the cudart
+    fixture's, the leak checks') walk only what the tests themselves made. Objects made later, cycles included,
+    are collected as before."""
+    import gc
+
+    gc.freeze()

@@ -338,6 +338,7 @@ def paths(cudart):
     register(cudart, host, DEVICE, device=1)
     device = CaiArray(host[::2], stream=0x5000)
     host_owner = HostOwner()
+    host_array = np.arange(12.0).reshape(3, 4)
     tensor = torch.arange(16.0) if torch is not None else None
 
     def expect(error, call, *args, **kwargs):
@@ -377,6 +378,7 @@ def paths(cudart):
         "fresh numpy interface": lambda: cai2dlpack(host_owner.array, max_version=(1, 0)),
         "fresh CAI dict": lambda: cai2dlpack(FreshCai(device)),
         "fresh buffer interface": lambda: cai2dlpack(FreshBuffer()),
+        "numpy array through its buffer": lambda: cai2dlpack(host_array),
         "error: fresh dict": expect(ValueError, cai2dlpack, FreshCai(device, typestr="<f16")),
         "shim into torch": lambda: torch.from_dlpack(DLPackShim(host_owner)),
         "torch into view into numpy": lambda: np.asarray(dlpack2cai(tensor)),
@@ -434,6 +436,7 @@ def _used_capsule():
 
 PATH_NAMES = [
     "host legacy", "host versioned", "fresh numpy interface", "fresh CAI dict", "fresh buffer interface",
+    "numpy array through its buffer",
     "error: fresh dict", "device with streams", "device with a stream object", "dict with owner", "shim into numpy",
     "shim into torch",
     "torch into view into numpy", "view handed on", "device view interface", "error: typestr", "error: missing key",

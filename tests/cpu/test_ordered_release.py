@@ -706,3 +706,12 @@ def test_a_steady_stream_of_releases_reuses_one_event(cudart):
     """In a fresh process (no event kept yet), one ordered release after another: the first makes the event each
     later one reuses, so no event is created after the first cycle."""
     assert child_output(SPARE_EVENTS_SCRIPT) == ["0"]
+
+
+@pytest.mark.parametrize("value", [1, 0, None, "yes"])
+def test_the_ordered_release_switch_takes_only_a_bool(value):
+    """The tests' switch (_set_ordered_release) refuses anything but True or False with a TypeError naming what
+    it got, and leaves the setting as it was."""
+    with pytest.raises(TypeError, match=f"takes a bool, not {type(value).__name__}"):
+        _core._set_ordered_release(value)
+    assert _core._pending_releases()["enabled"] is True
