@@ -95,3 +95,15 @@ def test_capsule_holds_the_buffer_until_it_dies():
     assert sys.getrefcount(array) == before
     array.resize(12)
     assert array.shape == (12,)
+
+
+@pytest.mark.parametrize("array", [np.zeros(4, dtype=[("a", "<f4"), ("b", "<i4")]), np.zeros(2, dtype="<U3")],
+                         ids=["structured", "unicode"])
+def test_a_buffer_the_reader_cannot_take_is_released_before_the_interface_is_read(array):
+    """NumPy exports these arrays' buffers, in formats with no DLPack type: the reader gives the buffer back (and
+    the reference it holds to the array) before it reads __array_interface__, which then refuses the type."""
+    before = sys.getrefcount(array)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="has no DLPack equivalent"):
+            cai2dlpack(array)
+    assert sys.getrefcount(array) == before
