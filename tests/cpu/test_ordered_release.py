@@ -329,22 +329,23 @@ def test_device_copy_memory_is_freed_in_the_consumers_stream_order(late, consume
     np.testing.assert_array_equal(seen[0], ORIGINAL)
 
 
+@pytest.mark.parametrize("consumer", [None, 2], ids=["legacy", "per-thread"])
 @pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
-def test_pinned_copy_for_the_callers_stream_is_released_after_that_stream(cudart, kind):
-    """Pinned or managed memory of device 0 copied for the legacy stream while device 1 is current: the copies ran
-    on device 1's legacy stream, so the copy's memory is released after that stream (its event recorded there, in
-    device 1's context), not after device 0's."""
+def test_pinned_copy_for_the_callers_stream_is_released_after_that_stream(cudart, kind, consumer):
+    """Pinned or managed memory of device 0 copied for the legacy (or per-thread) stream while device 1 is current:
+    the copies ran on device 1's stream, so the copy's memory is released after that stream (its event recorded
+    there, in device 1's context), not after device 0's."""
     host = np.arange(N, dtype=np.float32)
     register(cudart, host, kind, device=0)
     cudart.current_device = 1
     cudart.late = True
     try:
-        copy, drop = consume(DLPackShim(CaiArray(host)).__dlpack__(copy=True, max_version=(1, 0)))
+        copy, drop = consume(DLPackShim(CaiArray(host)).__dlpack__(stream=consumer, copy=True, max_version=(1, 0)))
         cudart.log_context()
         cudart.clear_log()
         drop()
         records = [line for line in cudart.log() if line.startswith("cudaEventRecord")]
-        assert records and all(line.endswith(", 1) @ctx1") for line in records), cudart.log()
+        assert records and all(line.endswith(f", {consumer or 1}) @ctx1") for line in records), cudart.log()
         drain(cudart)
     finally:
         cudart.late = False
