@@ -516,6 +516,10 @@ def run_pytest(tests, module_path, timeout, deselect, stop_first=True, extra=())
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         return "timeout", (output or "")[-2000:]
+    except BaseException:
+        # The runner stopped (Ctrl-C, SIGTERM): the tests it started stop with it, not run on as orphans.
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
     if process.returncode == GUARD_FAILED:
         return "guard", output[-2000:]
     if process.returncode == 0:
@@ -774,6 +778,9 @@ def git_clean():
 
 
 def main():
+    # SIGTERM ends the run as Ctrl-C does: the tests it started are killed and the mutated file restored (the
+    # `finally`s run), where the default action would leave both behind.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--count", type=int, required=True)
