@@ -380,6 +380,8 @@ def paths(cudart):
         "fresh buffer interface": lambda: cai2dlpack(FreshBuffer()),
         "numpy array through its buffer": lambda: cai2dlpack(host_array),
         "error: fresh dict": expect(ValueError, cai2dlpack, FreshCai(device, typestr="<f16")),
+        "error: a shim's device of a bad dict": expect(ValueError, DLPackShim(FreshCai(device, typestr="<f16"))
+                                                       .__dlpack_device__),
         "shim into torch": lambda: torch.from_dlpack(DLPackShim(host_owner)),
         "torch into view into numpy": lambda: np.asarray(dlpack2cai(tensor)),
         "view handed on": lambda: dlpack2cai(dlpack2cai(cai2dlpack(device), stream=2).__dlpack__(stream=0x6000)),
@@ -437,7 +439,7 @@ def _used_capsule():
 PATH_NAMES = [
     "host legacy", "host versioned", "fresh numpy interface", "fresh CAI dict", "fresh buffer interface",
     "numpy array through its buffer",
-    "error: fresh dict", "device with streams", "device with a stream object", "dict with owner", "shim into numpy",
+    "error: fresh dict", "error: a shim's device of a bad dict", "device with streams", "device with a stream object", "dict with owner", "shim into numpy",
     "shim into torch",
     "torch into view into numpy", "view handed on", "device view interface", "error: typestr", "error: missing key",
     "numpy refuses a device tensor", "error: stream", "error: unregistered", "error: read-only legacy", "error: cuda", "error: used capsule",

@@ -82,7 +82,7 @@ RELATED_TESTS = {
     "names.c": ["test_errors.py", "test_cai_path.py"],
     "ordered_release.c": ["test_ordered_release.py", "test_lifetime.py", "test_graph_capture.py", "test_locks.py"],
     "shim.c": ["test_shim_read_once.py", "test_handed_out_objects.py", "test_cai_path.py", "test_errors.py",
-               "test_low_precision.py"],
+               "test_low_precision.py", "test_lifetime.py"],
     "stream_sync.c": ["test_streams.py", "test_graph_capture.py", "test_lifetime.py", "test_locks.py"],
     "cdl_internal.h": ["test_cai_path.py", "test_view_buffer.py", "test_copy.py", "test_buffer_path.py"],
 }
