@@ -272,3 +272,13 @@ def test_the_c_api_orders_the_work_stream_too(producer, cudart, example):
     assert example.managed(tensor, S2)["device"] == (KDLCUDA, 1)
     assert ordering(cudart) == ([S1], [S2])
     assert producer.counts()["dlpack"] == 0
+
+
+@pytest.mark.parametrize("door", ["fill", "managed"])
+def test_a_borrowed_tensor_the_checks_refuse_is_refused_in_their_words(producer, example, door):
+    """The table lends a tensor the checks turn down (memory of a device that is neither CUDA nor the host, here
+    Vulkan's) while the producer says the table suits it: the C API raises the checks' error, and lends nothing."""
+    tensor = producer.Tensor(np.arange(4.0), device_type=7)
+    with pytest.raises(BufferError, match=r"DLPack device type 7 \(kDLVulkan\) is neither CUDA nor host memory"):
+        getattr(example, door)(tensor, -1)
+    assert producer.counts()["dlpack"] == 0

@@ -152,7 +152,8 @@ def enclosing_functions(lines, masks):
     current = ("", "")
     for line, mask in zip(lines, masks):
         if mask is not None and mask[:1].isalpha():
-            m = FUNCTION_HEADER.match(mask)
+            # (an attribute before the name, `static __attribute__((noinline)) int f(`, is not the name)
+            m = FUNCTION_HEADER.match(re.sub(r"__attribute__\s*\(\(.*?\)\)\s*", "", mask))
             if m and m.group(2) not in KEYWORDS and not mask.rstrip().endswith(";"):
                 current = (m.group(2), " ".join(m.group(1).split()))
         result.append(current)
