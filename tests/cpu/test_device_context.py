@@ -317,6 +317,17 @@ def test_without_driver_entry_points_the_device_is_put_back_by_number():
                      "cudaEventRecord(ev, 20480)", "cudaStreamWaitEvent(24576, ev, 0)", "cudaSetDevice(2)", "current 2 2"]
 
 
+@pytest.mark.parametrize("lacking", ["cuCtxGetCurrent", "cuStreamGetCtx", "cuCtxGetId"])
+def test_a_driver_lacking_one_context_call_is_used_by_device_number_alone(lacking):
+    """The nine context calls are used all together or not at all: where the driver lacks any one of them (here
+    the first, the eighth, the ninth and last), the device is put back by number, as with none."""
+    lines = run_older_runtime(os.environ["CAI_DLPACK_CUDART"], CUDART_DOUBLE_ENTRY_POINTS=f"-{lacking}")
+    lines = [line for line in lines if not line.startswith(("cudaGetDriverEntryPoint", "cudaGetLastError"))]
+    assert lines == ["cudaGetDevice() -> 2", "cudaSetDevice(1)",
+                     "cudaStreamGetCaptureInfo(20480) -> none", "cudaStreamGetCaptureInfo(24576) -> none",
+                     "cudaEventRecord(ev, 20480)", "cudaStreamWaitEvent(24576, ev, 0)", "cudaSetDevice(2)", "current 2 2"]
+
+
 def test_runtime_12_0_uses_the_unversioned_entry_point(tmp_path):
     """CUDA 12.0-12.4 has cudaGetDriverEntryPoint only: the driver's calls come through it all the same, and
     managed memory's event goes in its stream's context. Its capture query is CUDA 12's six-argument

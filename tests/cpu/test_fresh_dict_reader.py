@@ -173,6 +173,8 @@ LEFT = {
     "no typestr": cupy_shaped(typestr=KeyError),
     "a typestr not a str": cupy_shaped(typestr=b"<f4"),
     "a typestr DLPack has no type for": cupy_shaped(typestr="|V4"),
+    "a typestr whose first three characters name a type": cupy_shaped(typestr="<f44", descr=[("", "<f44")]),
+    "a typestr of a type and a letter": cupy_shaped(typestr="<f4x", descr=[("", "<f4x")]),
     "a typestr of another byte order": cupy_shaped(typestr=">f4"),
     "no data": cupy_shaped(data=KeyError),
     "data a list": cupy_shaped(data=[BASE, False]),

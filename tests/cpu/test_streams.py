@@ -465,6 +465,7 @@ def test_numpy_from_dlpack_of_a_view_waits_once_like_its_array_interface(cudart,
     view = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)), stream=S2)
     cudart.clear_log()
     view.__dlpack__(stream=S1, max_version=(1, 0))
+    view.__dlpack__(stream=S1, max_version=None)  # a legacy consumer that names its stream
     assert host_syncs(cudart) == []
     a = np.from_dlpack(view)
     assert a.__array_interface__["data"][0] == host_accessible.__array_interface__["data"][0]  # shared

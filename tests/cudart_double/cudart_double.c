@@ -1058,13 +1058,19 @@ static int cuGetErrorString(int code, const char **text)
 }
 
 /* The driver functions by name, with cudaDriverEntryPointSuccess (0) or SymbolNotFound (1); with
- * CUDART_DOUBLE_ENTRY_POINTS=0 the query fails as it does without a driver. */
+ * CUDART_DOUBLE_ENTRY_POINTS=0 the query fails as it does without a driver, and with =-NAME the driver lacks
+ * that one function (an older driver's table). */
 static cudaError_t entry_point(const char *symbol, void **function, int *status)
 {
     const char *allowed = getenv("CUDART_DOUBLE_ENTRY_POINTS");
     *function = NULL;
     if (allowed != NULL && strcmp(allowed, "0") == 0)
         return last_error = NOT_SUPPORTED;
+    if (allowed != NULL && allowed[0] == '-' && strcmp(allowed + 1, symbol) == 0) {
+        if (status != NULL)
+            *status = 1;
+        return SUCCESS;
+    }
     if (strcmp(symbol, "cuCtxGetCurrent") == 0)
         *function = (void *)cuCtxGetCurrent;
     else if (strcmp(symbol, "cuCtxPushCurrent") == 0)
