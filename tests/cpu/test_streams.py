@@ -1,6 +1,7 @@
 """Stream ordering through the CUDA runtime double: the exact runtime calls for every pair of producer
 and consumer streams, in both directions, and that the host is never made to wait, except by a host read of
 pinned or managed memory, which waits once for the stream its producer made it ready on."""
+import gc
 import re
 import sys
 import threading
@@ -562,3 +563,32 @@ def test_a_failed_host_wait_for_a_per_thread_stream_views_event_is_raised_and_tr
     cudart.clear_log()
     np.asarray(view)  # not marked ready by the failed wait: the next read waits again
     assert len(host_syncs(cudart)) == 1
+
+
+def test_a_views_event_is_destroyed_leaving_the_runtimes_last_error_as_it_found_it(cudart):
+    """The event a view recorded on the per-thread stream it was made for is destroyed with the view: another
+    library's error pending in the runtime is not cleared by that (not ours to clear), and a failure of the
+    destruction itself is not left pending (ours, cleared)."""
+    device = np.arange(24, dtype=np.float32)
+    register(cudart, device, DEVICE, 0)
+
+    def view_with_an_event():
+        view = dlpack2cai(DLPackShim(CaiArray(device, stream=None)), stream=2)
+        assert any(line.startswith("cudaEventRecord(") and line.endswith(", 2)") for line in cudart.log())
+        cudart.clear_log()
+        return view
+
+    view = view_with_an_event()
+    assert cudart.lib.cudaSetDevice(99) != 0  # another library's failure, left pending
+    pending = cudart.last_error
+    del view
+    gc.collect()
+    assert any(line.startswith("cudaEventDestroy(") for line in cudart.log())
+    assert cudart.last_error == pending != 0
+    cudart.lib.cudaGetLastError()
+    view = view_with_an_event()
+    cudart.fail("cudaEventDestroy", 400)
+    del view
+    gc.collect()
+    assert any(line.startswith("cudaEventDestroy(") for line in cudart.log())
+    assert cudart.last_error == 0
