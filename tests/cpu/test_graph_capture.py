@@ -449,6 +449,37 @@ def test_a_view_handed_on_inside_its_capture(cudart, data):
     assert cudart.end_capture(capture) and cudart.violations == 0
 
 
+def test_capture_refusals_leak_nothing(cudart, data):
+    """A refusal that keeps a capture whole (the CudaError naming the capture) frees what its message was made of:
+    traced memory stays flat over many."""
+    import tracemalloc
+
+    capture = cudart.begin_capture(C_HANDLE, 0, GLOBAL)
+    cudart.join_capture(P_HANDLE, capture)
+    view = dlpack2cai(DLPackShim(CaiArray(data, stream=P_HANDLE)), stream=C_HANDLE)
+
+    def refused():
+        try:  # (not pytest.raises: it keeps a little of each call)
+            view.__dlpack__(stream=BYSTANDER, max_version=(1, 0))
+        except CudaError as error:
+            assert f"capture id {capture}" in str(error)
+        else:
+            raise AssertionError("not refused")
+
+    try:
+        for _ in range(100):
+            refused()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(2000):
+            refused()
+        growth = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+    finally:
+        assert cudart.end_capture(capture) and cudart.violations == 0
+    assert growth < 32 * 1024, growth
+
+
 def test_capture_query_failure_is_a_cuda_error(cudart, data):
     cudart.fail("cudaStreamGetCaptureInfo", 400)
     with pytest.raises(CudaError, match="cudaStreamGetCaptureInfo failed: cudaErrorInvalidResourceHandle"):
