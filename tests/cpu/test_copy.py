@@ -939,12 +939,17 @@ def others_ran_during(call):
 def test_large_host_copies_release_the_gil_small_ones_keep_it():
     """A host copy of 64 KiB or more gathers with the GIL released (other threads run meanwhile); a smaller one
     keeps it (releasing would cost more than the copy)."""
-    large = np.ones((1024, 4096), dtype=np.float64)[:, ::2]  # 16 MiB gathered from a strided source
+    large = np.ones((256, 1024), dtype=np.float64)[:, ::2]  # 1 MiB gathered from a strided source
     at_the_threshold = np.ones(2 * 65536, dtype=np.uint8)[::2]  # 64 KiB exactly
     below = np.ones(2 * 65535, dtype=np.uint8)[::2]
     small = np.ones(64, dtype=np.float64)[::2]
-    # (a thread the machine was slow to wake may miss one copy's window: three tries; a held GIL misses all)
+    # A copy of 64 KiB releases the GIL for microseconds, and the waiting thread may not be running yet when it
+    # does: 200 copies give it 200 windows (no switch can come between them: the switch interval is 1000 s). A held
+    # GIL gives none, however many copies.
+    def copies(source):
+        return lambda: [DLPackShim(source).__dlpack__(copy=True) for _ in range(200)]
+
     for released in (large, at_the_threshold):
-        assert any(others_ran_during(lambda: DLPackShim(released).__dlpack__(copy=True)) for _ in range(3))
+        assert any(others_ran_during(copies(released)) for _ in range(3))
     for kept in (below, small):
-        assert not others_ran_during(lambda: DLPackShim(kept).__dlpack__(copy=True))
+        assert not others_ran_during(copies(kept))

@@ -651,9 +651,15 @@ def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
             outcome, detail = run_pytest(tests, installed, timeout, baseline.failing)
             if outcome in ("pass", "guard"):
                 break
-            # A kill counts when the failing test passes on the unmutated module.
+            # A kill counts when the failing test passes on the unmutated module, and fails again on the mutant
+            # when run alone: a test that failed only in the company of others (flaky under load, or hanging on
+            # what an earlier test left) proves nothing about this mutant.
             if is_test_id(detail):
                 if baseline.passes(detail):
+                    again, _ = run_pytest([detail], installed, args.test_timeout, [])
+                    if again == "pass":
+                        outcome, detail = "inconclusive", (f"{detail} failed with the others but passes alone on the "
+                                                           "mutant too (flaky, or hanging on an earlier test)")
                     break
                 continue
             # Nothing names a test (a crash, a hang, a plugin's or the collection's error): a kill counts when the
