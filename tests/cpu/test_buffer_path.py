@@ -107,3 +107,19 @@ def test_a_buffer_the_reader_cannot_take_is_released_before_the_interface_is_rea
         with pytest.raises(ValueError, match="has no DLPack equivalent"):
             cai2dlpack(array)
     assert sys.getrefcount(array) == before
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="a Python-level __buffer__ (PEP 688) needs CPython 3.12")
+def test_an_array_whose_buffer_export_raises_is_read_through_its_interface():
+    """An ndarray subclass whose __buffer__ raises keeps NumPy's C __array_interface__: the reader's buffer export
+    fails, the failure is dropped (not left pending behind a result), and the interface gives the same tensor."""
+
+    class NoExport(np.ndarray):
+        def __buffer__(self, flags):
+            raise RuntimeError("no export today")
+
+    a = np.arange(4.0).view(NoExport)
+    with pytest.raises(RuntimeError, match="no export today"):
+        memoryview(a)
+    assert np.from_dlpack(DLPackShim(a)).tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert read_capsule(cai2dlpack(a))["data"] == a.ctypes.data

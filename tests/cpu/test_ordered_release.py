@@ -713,6 +713,9 @@ def test_a_steady_stream_of_releases_reuses_one_event(cudart):
 def test_the_ordered_release_switch_takes_only_a_bool(value):
     """The tests' switch (_set_ordered_release) refuses anything but True or False with a TypeError naming what
     it got, and leaves the setting as it was."""
-    with pytest.raises(TypeError, match=f"takes a bool, not {type(value).__name__}"):
-        _core._set_ordered_release(value)
-    assert _core._pending_releases()["enabled"] is True
+    try:
+        with pytest.raises(TypeError, match=f"takes a bool, not {type(value).__name__}"):
+            _core._set_ordered_release(value)
+        assert _core._pending_releases()["enabled"] is True
+    finally:
+        _core._set_ordered_release(True)

@@ -441,7 +441,8 @@ def compiled_lines():
         if "-o" in words:
             at = words.index("-o")
             del words[at:at + 2]
-        words = [w for w in words if w != "-c"] + ["-E"]
+        # (-fdirectives-only: #if is evaluated, no macro expanded, so a macro call over several lines keeps them all)
+        words = [w for w in words if w != "-c"] + ["-E", "-fdirectives-only"]
         out = subprocess.run(words, cwd=entry["directory"], capture_output=True, text=True, check=True).stdout
         current, line = None, 0
         for text in out.splitlines():
