@@ -2,6 +2,7 @@
 and consumer streams, in both directions, and that the host is never made to wait, except by a host read of
 pinned or managed memory, which waits once for the stream its producer made it ready on."""
 import gc
+import os
 import re
 import sys
 import threading
@@ -592,3 +593,21 @@ def test_a_views_event_is_destroyed_leaving_the_runtimes_last_error_as_it_found_
     gc.collect()
     assert any(line.startswith("cudaEventDestroy(") for line in cudart.log())
     assert cudart.last_error == 0
+
+
+OFF_WORDS, ON_WORDS = ["0", "false", "False", "no", "off"], ["1", "true", "True", "yes", "on", "anything", ""]
+
+
+def test_the_environment_sets_each_option_at_import():
+    """CAI_DLPACK_SYNC and CAI_DLPACK_EXPORT_STREAM, read when the module is imported: 0, false, False, no and off
+    switch an option off; any other value, or none, leaves it on. Each value in a fresh interpreter."""
+    import json
+    import subprocess
+
+    script = "import json, cai_dlpack; print(json.dumps(cai_dlpack.options()))"
+    for word in OFF_WORDS + ON_WORDS:
+        env = dict(os.environ, CAI_DLPACK_SYNC=word, CAI_DLPACK_EXPORT_STREAM="off" if word == "1" else word)
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        on = word not in OFF_WORDS
+        assert json.loads(result.stdout) == {"sync": on, "export_stream": on and word != "1"}, word
