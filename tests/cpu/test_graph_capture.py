@@ -466,18 +466,21 @@ def test_capture_refusals_leak_nothing(cudart, data):
         else:
             raise AssertionError("not refused")
 
+    growth = []
     try:
         for _ in range(100):
             refused()
         tracemalloc.start()
-        before = tracemalloc.get_traced_memory()[0]
-        for _ in range(2000):
-            refused()
-        growth = tracemalloc.get_traced_memory()[0] - before
+        # A leak grows in every round; memory freed late (free-threaded builds) swings from one round to the next.
+        for _ in range(3):
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in range(1000):
+                refused()
+            growth.append(tracemalloc.get_traced_memory()[0] - before)
         tracemalloc.stop()
     finally:
         assert cudart.end_capture(capture) and cudart.violations == 0
-    assert growth < 32 * 1024, growth
+    assert min(growth) < 32 * 1024, growth
 
 
 def test_capture_query_failure_is_a_cuda_error(cudart, data):
