@@ -618,3 +618,14 @@ def test_to_managed_tensor_passes_on_a_dlpack_producers_own_error(error):
 
     with pytest.raises(error, match="the producer's own words"):
         doors.to_managed_tensor(Refusing(), -1)
+
+
+@pytest.mark.parametrize("door", ["to_managed_tensor", "fill_tensor"])
+def test_an_empty_array_with_a_producer_stream_passes_every_door(cudart, example, door):
+    """An array with no elements orders no streams (nothing to race on; its NULL pointer names no device to
+    record on), whatever stream its producer names: each door succeeds, with no exception set and no runtime
+    ordering call."""
+    cudart.clear_log()
+    status, raised, _ = example.status_of(door, CaiArray(np.zeros((0, 3), dtype=np.float32), stream=0x5000), 0x6000)
+    assert (status, raised) == (0, None)
+    assert not any(line.startswith(("cudaEventRecord", "cudaStreamWaitEvent")) for line in cudart.log())
