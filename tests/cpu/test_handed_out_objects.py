@@ -141,3 +141,15 @@ def test_a_host_view_asked_for_another_device_without_a_copy_is_refused():
     for copy in (None, False):
         with pytest.raises(BufferError, match="dl_device"):
             view.__dlpack__(max_version=(1, 0), dl_device=(2, 0), copy=copy)
+
+
+def test_a_shim_tells_its_weak_references_when_it_goes():
+    """A DLPackShim can be weakly referenced: when it goes, the reference reads None and its callback runs once."""
+    import weakref
+
+    shim = DLPackShim(np.arange(3.0))
+    called = []
+    ref = weakref.ref(shim, called.append)
+    assert ref() is shim
+    del shim
+    assert ref() is None and called == [ref]
