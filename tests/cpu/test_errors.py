@@ -523,3 +523,15 @@ def test_supported_types_in_messages_come_from_the_table():
         assert cai2dlpack(Holder(typestr=f"|V{itemsize}", shape=(1,)), dtype=name) is not None
     assert {"b1", "i8", "u2", "f2", "c16"} <= set(typestrs.split(", "))
     assert {"bfloat16", "float8_e4m3fn", "float4_e2m1fn_x2"} <= set(names.split(", "))
+
+
+@pytest.mark.parametrize("length", [0, 2, 3])
+def test_an_array_interface_over_a_buffer_too_short_is_refused(length):
+    """'data' a buffer object: the array must lie inside it, an empty buffer included (its length is 0, not "no
+    buffer")."""
+
+    class Holder:
+        __array_interface__ = {"shape": (4,), "typestr": "|u1", "data": bytearray(length), "version": 3}
+
+    with pytest.raises(ValueError, match=rf"reach bytes \[0, 4\) of a buffer of {length} bytes"):
+        cai2dlpack(Holder())
