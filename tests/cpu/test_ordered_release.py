@@ -478,6 +478,20 @@ def test_a_refused_wait_past_the_bound_keeps_the_release_pending(late):
     gc.collect()
     assert late.queued(S2) > 0  # S2 never ran: its work before the first drop is still queued
     assert watch() is not None, "released while the consumer's stream had not run past the drop"
+    assert late.last_error == 0  # the refusal was ours to clear
+
+
+def test_a_wait_past_the_bound_leaves_another_librarys_error_pending(late):
+    """The wait past CDL_PENDING_LIMIT that succeeds clears nothing: an error another library left pending in the
+    runtime is still there for it."""
+    waits = late.sync_calls
+    watch, host, limit = fill_to_the_bound(late)
+    assert late.lib.cudaSetDevice(99) != 0  # another library's failure, left pending
+    pending = late.last_error
+    consume(cai2dlpack(CaiArray(host[limit:]), stream=S2, max_version=(1, 0)))[1]()
+    assert late.sync_calls > waits  # the wait was made
+    assert late.last_error == pending != 0
+    late.lib.cudaGetLastError()
 
 
 def test_the_wait_past_the_bound_is_made_in_relaxed_capture_mode(late):
