@@ -8,7 +8,8 @@ import pytest
 from cai_dlpack import DLPackShim, DLPackView, UnsupportedArrayError, cai2dlpack, dlpack2cai
 from support.cuda_double import DEVICE
 from support.optional import tvm_ffi
-from support.dlpack_ctypes import MadeTensor, kDLBfloat, kDLCPU, kDLCUDA, kDLFloat, kDLOpaqueHandle, kDLROCM
+from support.dlpack_ctypes import (MadeTensor, kDLBfloat, kDLCPU, kDLCUDA, kDLFloat, kDLOpaqueHandle, kDLROCM,
+                                  read_capsule)
 
 HOST = np.arange(12, dtype=np.float32)
 POINTER = HOST.__array_interface__["data"][0]
@@ -535,3 +536,17 @@ def test_an_array_interface_over_a_buffer_too_short_is_refused(length):
 
     with pytest.raises(ValueError, match=rf"reach bytes \[0, 4\) of a buffer of {length} bytes"):
         cai2dlpack(Holder())
+
+
+def test_an_offset_past_an_empty_buffer_is_refused():
+    """'offset' into a buffer object must lie within it, an empty buffer included: 0 is the only offset there."""
+
+    def holder(offset):
+        class Holder:
+            __array_interface__ = {"shape": (0,), "typestr": "|u1", "data": bytearray(0), "offset": offset,
+                                   "version": 3}
+        return Holder()
+
+    assert read_capsule(cai2dlpack(holder(0)))["shape"] == (0,)
+    with pytest.raises(ValueError, match=r"'offset' is 1; it must lie in \[0, 0\]"):
+        cai2dlpack(holder(1))
