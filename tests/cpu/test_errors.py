@@ -530,23 +530,13 @@ def test_supported_types_in_messages_come_from_the_table():
 def test_an_array_interface_over_a_buffer_too_short_is_refused(length):
     """'data' a buffer object: the array must lie inside it, an empty buffer included (its length is 0, not "no
     buffer")."""
-
-    class Holder:
-        __array_interface__ = {"shape": (4,), "typestr": "|u1", "data": bytearray(length), "version": 3}
-
     with pytest.raises(ValueError, match=rf"reach bytes \[0, 4\) of a buffer of {length} bytes"):
-        cai2dlpack(Holder())
+        cai2dlpack(Holder(shape=(4,), typestr="|u1", data=bytearray(length)))
 
 
 def test_an_offset_past_an_empty_buffer_is_refused():
     """'offset' into a buffer object must lie within it, an empty buffer included: 0 is the only offset there."""
-
-    def holder(offset):
-        class Holder:
-            __array_interface__ = {"shape": (0,), "typestr": "|u1", "data": bytearray(0), "offset": offset,
-                                   "version": 3}
-        return Holder()
-
-    assert read_capsule(cai2dlpack(holder(0)))["shape"] == (0,)
+    empty = dict(shape=(0,), typestr="|u1", data=bytearray(0))
+    assert read_capsule(cai2dlpack(Holder(**empty, offset=0)))["shape"] == (0,)
     with pytest.raises(ValueError, match=r"'offset' is 1; it must lie in \[0, 0\]"):
-        cai2dlpack(holder(1))
+        cai2dlpack(Holder(**empty, offset=1))
