@@ -810,6 +810,24 @@ def test_host_copy_with_a_consumer_stream_that_cannot_be_asked_raises(cudart):
     cudart.fail("cudaStreamGetCaptureInfo", 400)
     with pytest.raises(CudaError, match="cudaStreamGetCaptureInfo.*cudaErrorInvalidResourceHandle"):
         DLPackShim(obj).__dlpack__(stream=S2, dl_device=(kDLCPU, 0))
+    assert cudart.last_error == 0  # the failed query's error was ours to clear: it is in the CudaError
+
+
+def test_host_copy_whose_producer_stream_cannot_be_asked_raises(cudart):
+    """The host copy waits for the producer's stream, which is first asked whether it captures: a failed query is
+    refused before the copy (nothing waited for, nothing copied), and its error is not left for the runtime's next
+    caller."""
+    source, obj = device_source(cudart, "contiguous")
+    cudart.clear_log()
+    np.from_dlpack(DLPackShim(obj), device="cpu")
+    queries = [line for line in cudart.log() if line.startswith("cudaStreamGetCaptureInfo")]
+    assert queries[-1].startswith(f"cudaStreamGetCaptureInfo({S1}")  # the producer's stream, asked last
+    cudart.clear_log()
+    cudart.fail("cudaStreamGetCaptureInfo", 400, after=len(queries) - 1)
+    with pytest.raises(CudaError, match=f"waits for stream {S1}, which could not be asked about graph captures"):
+        DLPackShim(obj).__dlpack__(dl_device=(kDLCPU, 0), max_version=(1, 0))
+    assert copies_in(cudart.log()) == [] and not any("Synchronize" in line for line in cudart.log())
+    assert cudart.last_error == 0
 
 
 def test_pinned_copy_for_the_same_legacy_stream_on_the_allocations_device_is_not_ordered(cudart):

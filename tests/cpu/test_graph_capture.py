@@ -755,6 +755,35 @@ def test_a_producer_that_cannot_name_its_device_is_not_asked_during_a_blocking_c
     assert producer.asked == [None]
 
 
+class DeviceNameError(RuntimeError):
+    """Raised by one producer only: its references count what the bridge keeps of the error."""
+
+
+def test_a_producer_that_cannot_name_its_device_has_its_error_released_when_dlpack_decides(cudart):
+    """Outside a capture the producer's error is set aside, the legacy stream is asked about, and __dlpack__
+    decides: the error set aside is then dropped, its type and its value, not kept one reference per call."""
+    cuda_runtime_info()  # the runtime is loaded
+    error = DeviceNameError("this producer cannot name its device")
+
+    class SameError(UnnamedDevice):
+        def __dlpack_device__(self):
+            raise error
+
+    producer = SameError()
+
+    def convert(times):
+        for _ in range(times):
+            with pytest.raises(BufferError, match="has no data"):
+                dlpack2cai(producer)
+        error.__traceback__ = None  # each raise gives it a traceback of its own: not what is counted
+
+    convert(3)
+    before = sys.getrefcount(error), sys.getrefcount(DeviceNameError)
+    convert(200)
+    assert (sys.getrefcount(error), sys.getrefcount(DeviceNameError)) == before
+    assert producer.asked == [None] * 203
+
+
 def test_a_producer_that_cannot_name_its_device_when_the_capture_query_fails(cudart):
     """The producer cannot name its device and the runtime cannot say whether the legacy stream captures: the
     query's CudaError is raised (the producer is not asked: its work might break a capture), not the producer's
