@@ -297,6 +297,24 @@ def test_device_copy_calls(cudart):
     assert copies_in(cudart.log()) == ["cudaMemcpy2DAsync(2 x 40 bytes, pitches 40 160, kind 4, 24576)"] * 2
 
 
+@pytest.mark.parametrize("columns, calls", [
+    # rows of 10 contiguous floats, 64 bytes apart: the rows are the one copy's height
+    (slice(0, 10), ["cudaMemcpy2DAsync(4 x 40 bytes, pitches 40 64, kind 4, 24576)"]),
+    # one float per row: the rows are still the one copy's height (4 bytes wide, 64 apart)
+    (slice(3, 4), ["cudaMemcpy2DAsync(4 x 4 bytes, pitches 4 64, kind 4, 24576)"]),
+])
+def test_device_copy_of_two_dimensions_is_one_call(cudart, columns, calls):
+    """A layout of one outer dimension whose step is a pitch the runtime takes is one 2D copy, not a copy per
+    row."""
+    allocation = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)
+    register(cudart, allocation, DEVICE)
+    source = allocation[:, columns]
+    cudart.clear_log()
+    capsule = DLPackShim(CaiArray(source)).__dlpack__(stream=S2, copy=True)
+    assert copies_in(cudart.log()) == calls
+    del capsule
+
+
 def test_device_copy_with_no_sync_runs_on_the_producers_stream(cudart):
     source, obj = device_source(cudart, "contiguous")
     cudart.clear_log()
@@ -440,6 +458,27 @@ def test_device_copy_needing_a_kernel_is_refused(cudart):
     assert not any(line.startswith("cudaMalloc") for line in cudart.log())  # refused before anything is made
     # The same array copies to the host.
     np.testing.assert_array_equal(np.from_dlpack(DLPackShim(obj), device="cpu"), allocation[::-2])
+
+
+class InstanceInterface:
+    def __init__(self, iface):
+        self.__cuda_array_interface__ = iface
+
+
+def test_device_copy_refusal_lists_strides_while_its_text_is_short(cudart):
+    """The refusal names the element strides entry by entry while fewer than 376 characters are written (64
+    dimensions' worth would be unreadable): here the first 27 make 375 characters, so a 28th is listed, and no
+    more."""
+    strides = [10**10 + 7] + [10**11 + 1000 * i + 3 for i in range(1, 40)]  # bytes of |u1 items: never merged
+    listed = ", ".join(map(str, strides[:27]))
+    assert len(listed) == 375
+    pointer = 0x7E00_0000_0000
+    cudart.add_region(pointer, sum(strides) + 1, DEVICE, 0)
+    obj = InstanceInterface({"shape": (2,) * 40, "typestr": "|u1", "strides": tuple(strides),
+                             "data": (pointer, False), "version": 3, "stream": None})
+    with pytest.raises(BufferError) as refused:
+        DLPackShim(obj).__dlpack__(copy=True)
+    assert f"element strides ({listed}, {strides[27]}) would take more than" in str(refused.value)
 
 
 @pytest.mark.parametrize("call", ["cudaMemcpyAsync", "cudaMemcpy2DAsync"])

@@ -201,3 +201,16 @@ def test_small_tensors_are_made_and_read_back(cudart, dtype, shape, device):
     outcome = allocate_and_check(dtype, shape, device, len(shape), False)
     assert outcome == ("made" if valid_device(device) else "refused")
     assert cudart.current_device == 0  # the caller's device is put back
+
+
+@pytest.mark.parametrize("nbytes, message", [
+    # Rounded up to whole 64-byte lines this is past PTRDIFF_MAX, which no allocator hands out: refused before
+    # any allocation is asked for.
+    (2**63 - 63, "needs 9223372036854775745 bytes, more than any allocation can hold"),
+    # The largest count that is asked for: the host allocator has not that much.
+    (2**63 - 64, "cannot allocate 9223372036854775744 host bytes"),
+])
+def test_host_byte_counts_at_the_largest_allocation(cudart, nbytes, message):
+    with pytest.raises(doors.AllocationRefused) as refused:
+        doors.allocate((1, 8, 1), [nbytes], (CPU, 0))
+    assert refused.value.kind == "MemoryError" and message in refused.value.message
