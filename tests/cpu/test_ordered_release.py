@@ -733,3 +733,28 @@ def test_the_ordered_release_switch_takes_only_a_bool(value):
         assert _core._pending_releases()["enabled"] is True
     finally:
         _core._set_ordered_release(True)
+
+
+def test_a_device_reset_gives_the_release_a_new_event(cudart):
+    """The release's spare events are kept per context: after a device reset (its context and events destroyed),
+    the next release records a new event instead of a dead one (as the stream ordering of the conversion does:
+    two new events, no refused record)."""
+    host = np.zeros(N, dtype=np.float32)
+    register(cudart, host, DEVICE, device=2)
+    cudart.add_stream(S2, 2)
+    obj = CaiArray(host, stream=1)
+
+    def take_and_drop():
+        _, drop, _ = through_cai2dlpack(obj)
+        drop()
+
+    take_and_drop()  # the release's event is kept for the next one
+    before = cudart.events_created
+    take_and_drop()
+    assert cudart.events_created == before  # steady state: the kept event
+    cudart.reset_device(2)
+    cudart.clear_log()
+    take_and_drop()
+    assert cudart.events_created == before + 2
+    assert not any("error" in line.lower() for line in cudart.log()), cudart.log()
+    assert _core._pending_releases()["pending"] == 0 and cudart.last_error == 0
