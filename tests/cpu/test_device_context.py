@@ -364,3 +364,28 @@ def test_host_data_costs_no_cuda_call(cudart):
         result = convert()
         assert result is not None
         assert cudart.log() == [] and cudart.primary_contexts == set() and cudart.context_device == -1
+
+
+def test_a_view_for_the_per_thread_stream_whose_scope_cannot_be_left_keeps_no_event(cudart):
+    """A view for the per-thread default stream marks, with an event recorded in the data's device's scope, the
+    point other threads wait for. When that scope cannot be left, the view is refused (CudaError) and its event
+    destroyed: a caller that keeps failing costs no event per call."""
+    host = np.arange(4, dtype=np.float32)
+    register(cudart, host, DEVICE, device=2)
+    obj = CaiArray(host, stream=1)
+    cudart.clear_log()
+    kept = dlpack2cai(DLPackShim(obj), stream=2)  # kept: its release would leave a scope of its own
+    pops = sum(line.startswith("cuCtxPopCurrent") for line in cudart.log())
+
+    def refused(times):
+        for _ in range(times):
+            cudart.fail("cuCtxPopCurrent", 201, after=pops - 1)  # the last scope left: the view's
+            with pytest.raises(CudaError, match="cuCtxPopCurrent failed"):
+                dlpack2cai(DLPackShim(obj), stream=2)
+            cudart.current_device = 0  # what the pop would have restored
+
+    refused(1)  # the refused view's tensor is released, which keeps an event for the next release
+    alive = cudart.events_alive
+    refused(3)
+    assert cudart.events_alive == alive and cudart.last_error == 0
+    del kept
