@@ -645,7 +645,9 @@ static int cdl_array_from_buffer(PyObject *obj, cdl_array *out, PyObject **keepa
         if (out->shape[i] < 0)
             goto fallback;
     }
-    if (buffer->strides != NULL) {
+    /* A C-contiguous buffer is given its contiguous strides, as the array's interface gives them ('strides' None):
+     * NumPy's buffer of an empty array may step by 0 bytes where its interface says nothing. */
+    if (buffer->strides != NULL && !PyBuffer_IsContiguous(buffer, 'C')) {
         for (int i = 0; i < buffer->ndim; i++) {
             if (!cdl_divide_exactly(buffer->strides[i], itemsize, &out->strides[i]) && out->shape[i] > 1)
                 goto fallback; /* a stride of extent 0 or 1 never steps; any other counts whole items */
@@ -674,6 +676,124 @@ fallback:
     PyBuffer_Release(buffer);
     PyMem_Free(buffer);
     return 0;
+}
+
+/* ---- NumPy arrays, read from their fields ---------------------------------------------------------- */
+
+/* The leading fields of NumPy's array object and of its dtype object, as numpy/ndarraytypes.h lays them out.
+ * They are NumPy's ABI: extensions built against any NumPy since 1.7 read them in place through its macros
+ * (PyArray_DATA, PyArray_NDIM, PyArray_DESCR, ...), and NumPy 2 changed only the dtype's fields after type_num.
+ * PyObject_HEAD is this interpreter's own header, as it is NumPy's when built for it (free-threaded included). */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    int nd;
+    Py_intptr_t *dimensions;
+    Py_intptr_t *strides; /* bytes */
+    PyObject *base;
+    PyObject *descr;
+    int flags;
+} cdl_numpy_array;
+
+typedef struct {
+    PyObject_HEAD
+    PyTypeObject *typeobj;
+    char kind, type, byteorder, former_flags;
+    int type_num;
+} cdl_numpy_descr;
+
+/* NumPy's public array flags (ndarraytypes.h). NumPy keeps flags of its own above these (one marks arrays that
+ * warn on their first write, which its buffer reports read-only): an array with any of them set is left to the
+ * buffer, where NumPy says what they mean. */
+enum { CDL_NUMPY_C_CONTIGUOUS = 0x0001, CDL_NUMPY_WRITEABLE = 0x0400, CDL_NUMPY_PUBLIC_FLAGS = 0xFFFF };
+
+/* numpy.ndarray, once the buffer reader met it (NULL before): arrays of exactly that type are then read from
+ * their fields. Set once, to the one static type of that name; read without a lock on free-threaded builds. */
+static PyTypeObject *cdl_ndarray_type;
+
+/* Records obj's type as numpy.ndarray when it is: a static type of that name whose objects hold the fields
+ * above. Called where an object's own C __array_interface__ and buffer were found, so a Python class never
+ * qualifies, whatever its name. */
+static void cdl_note_ndarray_type(PyObject *obj)
+{
+    PyTypeObject *type = Py_TYPE(obj);
+    if (!(type->tp_flags & Py_TPFLAGS_HEAPTYPE) && type->tp_basicsize >= (Py_ssize_t)sizeof(cdl_numpy_array) &&
+        strcmp(type->tp_name, "numpy.ndarray") == 0)
+        __atomic_store_n(&cdl_ndarray_type, type, __ATOMIC_RELAXED);
+}
+
+/* DLPack's type of a NumPy type number (NPY_BOOL ... NPY_CDOUBLE, then NPY_HALF), in native byte order; bits 0
+ * for the types DLPack has no row for here (long double, objects, strings, dates, ...): those go to the buffer. */
+static const DLDataType cdl_numpy_types[24] = {
+    [0] = {kDLBool, 8, 1},
+    [1] = {kDLInt, 8, 1},
+    [2] = {kDLUInt, 8, 1},
+    [3] = {kDLInt, 8 * sizeof(short), 1},
+    [4] = {kDLUInt, 8 * sizeof(short), 1},
+    [5] = {kDLInt, 8 * sizeof(int), 1},
+    [6] = {kDLUInt, 8 * sizeof(int), 1},
+    [7] = {kDLInt, 8 * sizeof(long), 1},
+    [8] = {kDLUInt, 8 * sizeof(long), 1},
+    [9] = {kDLInt, 8 * sizeof(long long), 1},
+    [10] = {kDLUInt, 8 * sizeof(long long), 1},
+    [11] = {kDLFloat, 32, 1},
+    [12] = {kDLFloat, 64, 1},
+    [14] = {kDLComplex, 64, 1},
+    [15] = {kDLComplex, 128, 1},
+    [23] = {kDLFloat, 16, 1},
+};
+
+/* An exact numpy.ndarray read from its fields: what its buffer says (type, shape, strides, read-only), without
+ * NumPy building the buffer's format and shape arrays (and us holding the export) on every conversion. The array
+ * itself keeps its memory: the tensor holds it as the owner, as it holds any producer. Returns 1 with *out
+ * filled, 0 for an array the buffer reader is left to (a byte order, type or flag this does not read). Sets
+ * no exception. */
+static int cdl_array_from_ndarray(PyObject *obj, cdl_array *out)
+{
+    const cdl_numpy_array *array = (const cdl_numpy_array *)obj;
+    const cdl_numpy_descr *descr = (const cdl_numpy_descr *)array->descr;
+    const int flags = array->flags;
+#if PY_BIG_ENDIAN
+    const char foreign = '<';
+#else
+    const char foreign = '>';
+#endif
+    if ((flags & ~CDL_NUMPY_PUBLIC_FLAGS) != 0 || array->nd < 0 || array->nd > CDL_MAX_NDIM ||
+        descr->byteorder == foreign || descr->type_num < 0 ||
+        descr->type_num >= (int)(sizeof(cdl_numpy_types) / sizeof(cdl_numpy_types[0])) ||
+        cdl_numpy_types[descr->type_num].bits == 0)
+        return 0;
+    out->dtype = cdl_numpy_types[descr->type_num];
+    const int64_t itemsize = cdl_itemsize(out->dtype);
+    out->ndim = array->nd;
+    for (int i = 0; i < array->nd; i++)
+        out->shape[i] = array->dimensions[i];
+    /* A C-contiguous array is given its contiguous strides, as its buffer and its interface both give them (its
+     * own may differ where an extent is 0 or 1, which never steps). */
+    if (flags & CDL_NUMPY_C_CONTIGUOUS) {
+        if (cdl_contiguous_strides(out->ndim, out->shape, out->strides) < 0)
+            return 0;
+    }
+    else {
+        for (int i = 0; i < array->nd; i++) {
+            if (!cdl_divide_exactly(array->strides[i], itemsize, &out->strides[i]) && out->shape[i] > 1)
+                return 0;
+        }
+    }
+    out->data = array->data;
+    out->read_only = !(flags & CDL_NUMPY_WRITEABLE);
+    out->device.device_type = kDLCPU;
+    out->device.device_id = out->home_device = 0;
+    out->stream = 0;
+    int64_t low, high;
+    switch (cdl_measure_extent(out, itemsize, &low, &high)) {
+    case CDL_EXTENT_EMPTY:
+        return 1;
+    case CDL_EXTENT_OK:
+        return out->data != NULL && cdl_extent_fits((uintptr_t)out->data, low, high);
+    default:
+        return 0;
+    }
 }
 
 /* Whether obj's type implements __array_interface__ in C (a getset descriptor, not a Python-level
@@ -812,6 +932,7 @@ static int cdl_array_from_attributes(PyObject *obj, const DLDataType *requested,
             array = *array_of_type = cdl_type_lookup(Py_TYPE(obj), cdl_name.array_interface);
         if (found == 0) {
             if (requested == NULL && cdl_has_native_array_buffer(obj, generic, array)) {
+                cdl_note_ndarray_type(obj);
                 *keepalive = NULL;
                 int read = cdl_array_from_buffer(obj, out, keepalive);
                 if (read != 0)
@@ -839,6 +960,13 @@ int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array 
     if (PyDict_Check(obj))
         return cdl_array_from_interface(obj, CDL_SOURCE_CAI, NULL, requested, out, keepalive);
     PyTypeObject *type = Py_TYPE(obj);
+    /* numpy.ndarray has no CUDA interface and no instance dict: its buffer would be read (below), and its fields
+     * say the same. */
+    if (type == __atomic_load_n(&cdl_ndarray_type, __ATOMIC_RELAXED) && requested == NULL &&
+        cdl_array_from_ndarray(obj, out)) {
+        *keepalive = NULL;
+        return 0;
+    }
     const int generic = type->tp_getattro == PyObject_GenericGetAttr;
     PyObject *cai = generic ? cdl_type_lookup(type, cdl_name.cuda_array_interface) : NULL;
     PyObject *array = NULL;

@@ -1,15 +1,18 @@
 """NumPy arrays are read through the buffer protocol (their type implements __array_interface__ in C and
 exports a buffer); everything the buffer cannot say goes through __array_interface__. Both readings must
 give the same tensor, and the same errors."""
+import os
 import re
+import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
 
 from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai
 from support.dlpack_ctypes import read_capsule
-from test_host_peers import DTYPES, layouts
+from test_host_peers import DTYPES, layouts, sample
 
 
 class InterfaceOnly:
@@ -123,3 +126,93 @@ def test_an_array_whose_buffer_export_raises_is_read_through_its_interface():
         memoryview(a)
     assert np.from_dlpack(DLPackShim(a)).tolist() == [0.0, 1.0, 2.0, 3.0]
     assert read_capsule(cai2dlpack(a))["data"] == a.ctypes.data
+
+
+class Subclass(np.ndarray):
+    """An ndarray subclass: read through its buffer (its type is not numpy.ndarray), the reading the fields of an
+    exact ndarray must agree with."""
+
+
+def field_layouts(dtype):
+    """layouts() and the ones whose strides the array, its buffer and its interface may each write differently:
+    empty arrays of several dimensions, extents of 1, a column."""
+    base = sample(dtype, (6, 8))
+    return {**layouts(dtype), "empty_rows": base[:, :0], "empty_columns": base[:0, :], "empty_middle": base[:2, :0, None],
+            "extent_one": base[2:3, 1:2], "column": base[:, 3], "extent_one_strided": base[1:2, ::2],
+            "read_only": np.frombuffer(base.tobytes(), dtype=base.dtype).reshape(base.shape)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ["l", "L", "intc", "uintc", "short", "ushort", "longlong", "ulonglong"])
+@pytest.mark.parametrize("layout", list(field_layouts("f4")))
+def test_an_ndarrays_fields_give_what_its_buffer_and_interface_give(dtype, layout):
+    array = field_layouts(dtype if len(dtype) <= 3 else "f4")[layout]
+    if len(dtype) > 3 or dtype in ("l", "L"):
+        array = array.astype(dtype) if array.flags.writeable else array.astype(dtype).copy()
+        if layout == "read_only":
+            array.flags.writeable = False
+    assert type(array) is np.ndarray
+    fields = read_capsule(cai2dlpack(array, max_version=(1, 0)))
+    assert fields == read_capsule(cai2dlpack(array.view(Subclass), max_version=(1, 0)))
+    assert fields == read_capsule(cai2dlpack(InterfaceOnly(array), max_version=(1, 0)))
+    assert fields["data"] == array.__array_interface__["data"][0]
+    assert bool(fields["flags"] & 1) == (not array.flags.writeable)
+
+
+def test_an_ndarray_is_read_from_its_fields_and_holds_no_buffer_export():
+    """The capsule of an exact ndarray holds the array (its owner) and nothing more: no buffer export (which would
+    hold a second reference). A subclass is read through its buffer, which it holds."""
+    array = np.arange(6, dtype=np.int32)
+    cai2dlpack(array)  # the reader has met numpy.ndarray
+    before = sys.getrefcount(array)
+    capsule = cai2dlpack(array)
+    assert sys.getrefcount(array) == before + 1
+    del capsule
+    sub = array.view(Subclass)
+    before = sys.getrefcount(sub)
+    capsule = cai2dlpack(sub)
+    assert sys.getrefcount(sub) == before + 2
+    del capsule
+    assert sys.getrefcount(sub) == before
+
+
+@pytest.mark.parametrize("array, read_only", [
+    # warns on its first write: writeable in its flags, read-only in its buffer (NumPy's flag of its own)
+    (np.broadcast_arrays(np.arange(3.0), np.zeros((2, 1)))[0], True),
+    (np.arange(3.0), False),
+], ids=["warn_on_write", "plain"])
+def test_an_ndarray_with_numpys_own_flags_says_what_its_buffer_says(array, read_only):
+    fields = read_capsule(cai2dlpack(array, max_version=(1, 0)))
+    assert bool(fields["flags"] & 1) == read_only == memoryview(array).readonly
+
+
+@pytest.mark.parametrize("array, message", [
+    (np.zeros(3, ">f4"), "'typestr' '>f4' has non-native byte order"),
+    (np.zeros(3, "M8[ns]"), "'typestr' '<M8[ns]' has no DLPack equivalent"),
+    (np.zeros(3, "g"), "'typestr' '<f16' has no DLPack equivalent"),
+    (np.zeros(3, "O"), "'typestr' '|O' has no DLPack equivalent"),
+], ids=["big_endian", "datetime", "long_double", "object"])
+def test_an_ndarray_its_fields_cannot_say_is_read_as_before(array, message):
+    """A byte order, or a type the fields are not read for, goes to the buffer and then the interface: the same
+    refusal, in the interface's words, every time."""
+    for _ in range(2):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cai2dlpack(array)
+
+
+def test_numpy_ndarray_is_read_from_its_fields_from_its_second_conversion_in_a_fresh_process():
+    """The reader learns numpy.ndarray's type from the first one it reads through the buffer, in any process: a
+    fresh interpreter reads the first array through its buffer and the next from its fields."""
+    script = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from cai_dlpack import cai2dlpack
+        array = np.arange(4.0)
+        held = []
+        for _ in range(2):
+            before = sys.getrefcount(array)
+            held.append(cai2dlpack(array))
+            print(sys.getrefcount(array) - before)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).stdout.split()
+    assert out == ["2", "1"]
