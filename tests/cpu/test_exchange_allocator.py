@@ -214,3 +214,17 @@ def test_host_byte_counts_at_the_largest_allocation(cudart, nbytes, message):
     with pytest.raises(doors.AllocationRefused) as refused:
         doors.allocate((1, 8, 1), [nbytes], (CPU, 0))
     assert refused.value.kind == "MemoryError" and message in refused.value.message
+
+
+@pytest.mark.parametrize("device, made, freed", [
+    ((CUDA, 0), "cudaMalloc(16) -> ok", "cudaFree()"),
+    ((PINNED, 0), "cudaMallocHost(16) -> ok", "cudaFreeHost()"),
+    ((MANAGED, 0), "cudaMallocManaged(16) -> ok", "cudaFree()"),
+], ids=["device", "pinned", "managed"])
+def test_each_kind_of_memory_is_made_and_freed_by_its_own_call(cudart, device, made, freed):
+    cudart.clear_log()
+    tensor = doors.allocate((2, 32, 1), [4], device)
+    assert tensor.fields()["device"] == device
+    tensor.delete()
+    calls = [line for line in cudart.log() if line.startswith(("cudaMalloc", "cudaFree"))]
+    assert calls == [made, freed]
