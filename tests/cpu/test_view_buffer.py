@@ -92,6 +92,8 @@ def test_simple_consumer_gets_the_bytes():
     assert zlib.crc32(view_of(array)) == zlib.crc32(array.tobytes())  # PyBUF_SIMPLE
     with pytest.raises(BufferError, match="not C-contiguous"):
         zlib.crc32(view_of(array[:, ::2]))
+    with pytest.raises(BufferError, match="not C-contiguous"):
+        zlib.crc32(view_of(array[0, ::2]))  # one dimension, stepping over every other item
 
 
 @needs_torch

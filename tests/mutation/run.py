@@ -70,7 +70,7 @@ RELATED_TESTS = {
     "cuda_runtime.c": ["test_runtime_loader.py", "test_device_context.py", "test_streams.py",
                        "test_graph_capture.py", "test_locks.py"],
     "dlpack_to_cai.c": ["test_view_buffer.py", "test_exchange_consumer.py", "test_handed_out_objects.py",
-                        "test_lifetime.py", "test_errors.py", "test_streams.py"],
+                        "test_lifetime.py", "test_errors.py", "test_streams.py", "test_low_precision.py"],
     "dtype.c": ["test_low_precision.py", "test_errors.py", "test_cai_path.py", "test_buffer_path.py",
                 "test_fresh_dict_reader.py"],
     "exchange_alloc.c": ["test_exchange_allocator.py"],
