@@ -611,3 +611,16 @@ def test_the_environment_sets_each_option_at_import():
         assert result.returncode == 0, result.stderr
         on = word not in OFF_WORDS
         assert json.loads(result.stdout) == {"sync": on, "export_stream": on and word != "1"}, word
+
+
+def test_a_views_dlpack_with_no_keyword_is_a_host_consumers_and_waits_once(cudart, host_accessible):
+    """__dlpack__() with no keyword at all (no stream, no copy) is asked as a host consumer asks: owed the host
+    readers' wait, once per view."""
+    view = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)), stream=S2)
+    cudart.clear_log()
+    capsule = view.__dlpack__()
+    assert host_syncs(cudart) == [f"cudaStreamSynchronize({S2})"]
+    cudart.clear_log()
+    view.__dlpack__(), np.asarray(view)
+    assert host_syncs(cudart) == []
+    del capsule
