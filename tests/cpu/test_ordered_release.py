@@ -16,7 +16,7 @@ import weakref
 import numpy as np
 import pytest
 
-from cai_dlpack import DLPackShim, _core, cai2dlpack, dlpack2cai
+from cai_dlpack import DLPackShim, _core, cai2dlpack, cuda_runtime_info, dlpack2cai
 from support import doors
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST, RELAXED, THREAD_LOCAL
@@ -770,3 +770,21 @@ def test_a_device_reset_gives_the_release_a_new_event():
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["2", "0", "0", "0"]  # two new events, no error, nothing pending or left
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: cai2dlpack(x, max_version=(1, 0)),
+    lambda x: cai2dlpack(x, max_version=(1, 0), copy=True),
+    lambda x: DLPackShim(x).__dlpack__(stream=None, max_version=(1, 0)),
+], ids=["shared", "copy", "shim"])
+def test_a_host_tensor_is_released_at_once_with_no_runtime_call(cudart, make):
+    """Host memory no stream reads: a consumer's drop releases it at once, asking the runtime nothing (the runtime
+    is loaded, as in any process that converted device data)."""
+    cuda_runtime_info()
+    x = np.arange(N, dtype=np.float32)
+    watch_x = sys.getrefcount(x)
+    _, drop = consume(make(x))
+    cudart.clear_log()
+    drop()
+    assert cudart.log() == [] and _core._pending_releases()["pending"] == 0
+    assert sys.getrefcount(x) == watch_x
