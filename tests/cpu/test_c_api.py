@@ -114,6 +114,16 @@ class NoInterface:
     pass
 
 
+class RefusingProducer:
+    """A DLPack producer that refuses its export (BufferError) and has no array interface to be read instead."""
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        raise BufferError("this producer cannot describe its data")
+
+
 # (door, object, stream, the exception a failure raises or None for a success): each door's failures of each
 # kind (a refused stream, a dict, an object with no interface, an interface that does not read) and a success.
 DOOR_CALLS = [
@@ -122,6 +132,7 @@ DOOR_CALLS = [
     ("to_managed_tensor", {"shape": (2,)}, -1, TypeError),
     ("to_managed_tensor", NoInterface(), -1, TypeError),
     ("to_managed_tensor", CaiArray(np.zeros(2), typestr="<f16"), 1, ValueError),
+    ("to_managed_tensor", RefusingProducer(), -1, BufferError),
     ("fill_tensor", np.zeros(2), -1, None),
     ("fill_tensor", np.zeros(2), -2, ValueError),
     ("fill_tensor", NoInterface(), -1, TypeError),
