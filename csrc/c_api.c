@@ -82,7 +82,7 @@ static PyObject *cdl_stream_for_producer(PyObject *obj, int64_t consumer_stream)
     if (PyTuple_Check(device) && PyTuple_GET_SIZE(device) == 2 && PyLong_Check(PyTuple_GET_ITEM(device, 0)) &&
         PyLong_Check(PyTuple_GET_ITEM(device, 1)))
         type = PyLong_AsLongAndOverflow(PyTuple_GET_ITEM(device, 0), &overflow);
-    if (type < 0 || overflow || type > INT32_MAX) {
+    if (type < kDLCPU || overflow || type > INT32_MAX) { /* DLPack's device types count from kDLCPU, 1 */
         if (!PyErr_Occurred())
             PyErr_Format(PyExc_ValueError,
                          "%.200s.__dlpack_device__() returned %R, not a (device_type, device_id) pair of DLPack "

@@ -124,6 +124,13 @@ class RefusingProducer:
         raise BufferError("this producer cannot describe its data")
 
 
+class DeviceZero(RefusingProducer):
+    """A producer naming device type 0, which DLPack does not have (its types count from kDLCPU, 1)."""
+
+    def __dlpack_device__(self):
+        return (0, 0)
+
+
 # (door, object, stream, the exception a failure raises or None for a success): each door's failures of each
 # kind (a refused stream, a dict, an object with no interface, an interface that does not read) and a success.
 DOOR_CALLS = [
@@ -133,6 +140,7 @@ DOOR_CALLS = [
     ("to_managed_tensor", NoInterface(), -1, TypeError),
     ("to_managed_tensor", CaiArray(np.zeros(2), typestr="<f16"), 1, ValueError),
     ("to_managed_tensor", RefusingProducer(), -1, BufferError),
+    ("to_managed_tensor", DeviceZero(), 1, ValueError),
     ("fill_tensor", np.zeros(2), -1, None),
     ("fill_tensor", np.zeros(2), -2, ValueError),
     ("fill_tensor", NoInterface(), -1, TypeError),

@@ -228,3 +228,11 @@ def test_each_kind_of_memory_is_made_and_freed_by_its_own_call(cudart, device, m
     tensor.delete()
     calls = [line for line in cudart.log() if line.startswith(("cudaMalloc", "cudaFree"))]
     assert calls == [made, freed]
+
+
+@pytest.mark.parametrize("dtype", [(1, 1, 1), (1, 9, 1), (6, 1, 1), (2, 4, 1)], ids=["u1", "u9", "bool1", "f4"])
+def test_a_type_of_a_few_bits_takes_whole_bytes(cudart, dtype):
+    """Bits round up to whole bytes per item (DLPack's (bits * lanes + 7) / 8): a 1-bit type takes a byte an item,
+    a 9-bit one two; the block holds them all."""
+    assert itemsize(dtype) >= 1
+    assert allocate_and_check(dtype, [1000], (CPU, 0), 1, False) == "made"
