@@ -542,3 +542,25 @@ def test_an_offset_past_an_empty_buffer_is_refused():
     assert read_capsule(cai2dlpack(Holder(**empty, offset=0)))["shape"] == (0,)
     with pytest.raises(ValueError, match=r"'offset' is 1; it must lie in \[0, 0\]"):
         cai2dlpack(Holder(**empty, offset=1))
+
+
+class HostInterface:
+    def __init__(self, iface):
+        self.__array_interface__ = iface
+
+
+@pytest.mark.parametrize("pointer, strides, fits", [
+    (8, (-8,), True),  # the lower item starts at address 0: the last address below is the first there is
+    (7, (-8,), False),  # one byte lower would be below address 0
+    (2**64 - 16, None, True),  # the upper item ends at the last address there is
+    (2**64 - 15, None, False),
+], ids=["down_to_0", "below_0", "up_to_the_top", "past_the_top"])
+def test_an_extent_at_the_ends_of_the_address_space(pointer, strides, fits):
+    """Two float64 items: the bytes they reach must lie in the address space, its first and last byte included
+    (the pointer is never read: a host interface's data is only described)."""
+    obj = HostInterface({"shape": (2,), "typestr": "<f8", "strides": strides, "data": (pointer, False), "version": 3})
+    if fits:
+        assert read_capsule(cai2dlpack(obj))["data"] == pointer
+    else:
+        with pytest.raises(ValueError, match="reaches outside the address space"):
+            cai2dlpack(obj)
