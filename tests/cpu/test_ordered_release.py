@@ -788,3 +788,18 @@ def test_a_host_tensor_is_released_at_once_with_no_runtime_call(cudart, make):
     drop()
     assert cudart.log() == [] and _core._pending_releases()["pending"] == 0
     assert sys.getrefcount(x) == watch_x
+
+
+def test_a_release_whose_event_record_is_refused_records_a_new_event_and_still_waits(late):
+    """A kept event of a context reset under the same id is a dead handle: its record is refused, and the release
+    records a new event in its place, so it still waits for the consumer's stream (not released at once)."""
+    pool = Pool(late)
+    watch, drop = shim_tensor_with_work_queued(late, pool)
+    late.fail("cudaEventRecord", 400)  # the release's record: its event is dead
+    drop()
+    gc.collect()
+    assert watch() is not None and _core._pending_releases()["pending"] == 1  # the kernel on S2 has not run
+    assert late.last_error == 0
+    drain(late)
+    gc.collect()
+    assert watch() is None
