@@ -110,7 +110,7 @@ def cases(np):
         (fresh, "host twin: the producer's own __array_interface__ access", "host.__array_interface__", None),
         (fresh, "host twin: cai2dlpack(obj) beyond that access", "cai2dlpack(host)",
          "host twin: the producer's own __array_interface__ access"),
-        (fresh, "cai2dlpack(x): a NumPy array, read through its buffer", "cai2dlpack(x)", None),
+        (fresh, "cai2dlpack(x): a NumPy array, read from its fields", "cai2dlpack(x)", None),
     ]
     for i, (which, iface) in enumerate(producer_dicts(x).items()):
         names[f"h{i}"] = Holder(x, iface=iface)

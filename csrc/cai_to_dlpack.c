@@ -707,19 +707,23 @@ typedef struct {
  * buffer, where NumPy says what they mean. */
 enum { CDL_NUMPY_C_CONTIGUOUS = 0x0001, CDL_NUMPY_WRITEABLE = 0x0400, CDL_NUMPY_PUBLIC_FLAGS = 0xFFFF };
 
-/* numpy.ndarray, once the buffer reader met it (NULL before): arrays of exactly that type are then read from
- * their fields. Set once, to the one static type of that name; read without a lock on free-threaded builds. */
+/* numpy.ndarray once an array of it was met (NULL before): arrays of exactly that type are read from their
+ * fields. Set once, to the one static type of that name; read without a lock on free-threaded builds. */
 static PyTypeObject *cdl_ndarray_type;
 
-/* Records obj's type as numpy.ndarray when it is: a static type of that name whose objects hold the fields
- * above. Called where an object's own C __array_interface__ and buffer were found, so a Python class never
- * qualifies, whatever its name. */
-static void cdl_note_ndarray_type(PyObject *obj)
+/* Whether type is numpy.ndarray: a static type of that name that exports buffers and whose objects hold the
+ * fields above (a Python class never qualifies, whatever its name). Noted the first time it is seen, after
+ * which one pointer comparison answers. */
+static inline int cdl_is_ndarray_type(PyTypeObject *type)
 {
-    PyTypeObject *type = Py_TYPE(obj);
-    if (!(type->tp_flags & Py_TPFLAGS_HEAPTYPE) && type->tp_basicsize >= (Py_ssize_t)sizeof(cdl_numpy_array) &&
-        strcmp(type->tp_name, "numpy.ndarray") == 0)
-        __atomic_store_n(&cdl_ndarray_type, type, __ATOMIC_RELAXED);
+    PyTypeObject *known = __atomic_load_n(&cdl_ndarray_type, __ATOMIC_RELAXED);
+    if (known != NULL || (type->tp_flags & Py_TPFLAGS_HEAPTYPE))
+        return type == known;
+    if (type->tp_basicsize < (Py_ssize_t)sizeof(cdl_numpy_array) || type->tp_as_buffer == NULL ||
+        type->tp_as_buffer->bf_getbuffer == NULL || strcmp(type->tp_name, "numpy.ndarray") != 0)
+        return 0;
+    __atomic_store_n(&cdl_ndarray_type, type, __ATOMIC_RELAXED);
+    return 1;
 }
 
 /* DLPack's type of a NumPy type number (NPY_BOOL ... NPY_CDOUBLE, then NPY_HALF), in native byte order; bits 0
@@ -932,7 +936,6 @@ static int cdl_array_from_attributes(PyObject *obj, const DLDataType *requested,
             array = *array_of_type = cdl_type_lookup(Py_TYPE(obj), cdl_name.array_interface);
         if (found == 0) {
             if (requested == NULL && cdl_has_native_array_buffer(obj, generic, array)) {
-                cdl_note_ndarray_type(obj);
                 *keepalive = NULL;
                 int read = cdl_array_from_buffer(obj, out, keepalive);
                 if (read != 0)
@@ -962,8 +965,7 @@ int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array 
     PyTypeObject *type = Py_TYPE(obj);
     /* numpy.ndarray has no CUDA interface and no instance dict: its buffer would be read (below), and its fields
      * say the same. */
-    if (type == __atomic_load_n(&cdl_ndarray_type, __ATOMIC_RELAXED) && requested == NULL &&
-        cdl_array_from_ndarray(obj, out)) {
+    if (requested == NULL && cdl_is_ndarray_type(type) && cdl_array_from_ndarray(obj, out)) {
         *keepalive = NULL;
         return 0;
     }
