@@ -648,3 +648,39 @@ def test_an_empty_array_with_a_producer_stream_passes_every_door(cudart, example
     status, raised, _ = example.status_of(door, CaiArray(np.zeros((0, 3), dtype=np.float32), stream=0x5000), 0x6000)
     assert (status, raised) == (0, None)
     assert not any(line.startswith(("cudaEventRecord", "cudaStreamWaitEvent")) for line in cudart.log())
+
+
+class RefusingWithInterface:
+    """A DLPack producer that refuses its export but describes the same memory through its array interface."""
+
+    def __init__(self, array, error):
+        self.array = array
+        self.error = error
+
+    @property
+    def __array_interface__(self):
+        return self.array.__array_interface__
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        raise self.error
+
+
+def test_a_refused_export_read_through_the_interface_keeps_nothing_of_the_refusal(example):
+    """to_managed_tensor of a producer whose __dlpack__ refuses (BufferError) reads its array interface instead; the
+    refusal, set aside while the interface is asked for, is dropped whole: not one reference kept per call."""
+    x = np.arange(4.0)
+    error = BufferError("this producer's export refuses")
+    producer = RefusingWithInterface(x, error)
+
+    def convert(times):
+        for _ in range(times):
+            assert example.managed(producer, -1)["shape"] == (4,)
+        error.__traceback__ = None  # each raise gives it a traceback of its own: not what is counted
+
+    convert(3)
+    before = sys.getrefcount(error)
+    convert(200)
+    assert sys.getrefcount(error) == before

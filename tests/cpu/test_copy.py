@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from numpy.lib.array_utils import byte_bounds
 
-from cai_dlpack import CudaError, DLPackShim, UnsupportedArrayError, cai2dlpack, dlpack2cai
+from cai_dlpack import CudaError, DLPackShim, UnsupportedArrayError, cai2dlpack, cuda_runtime_info, dlpack2cai
 from support.threads import run_threads
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST
@@ -1010,3 +1010,79 @@ def test_large_host_copies_release_the_gil_small_ones_keep_it():
         assert any(others_ran_during(copies(released)) for _ in range(3))
     for kept in (below, small):
         assert not others_ran_during(copies(kept))
+
+
+def test_device_copy_whose_devices_scope_cannot_be_left_raises_and_frees_the_copy(cudart):
+    """Data of device 2 copied for a stream of device 2 while device 0 is current: the copies are issued in device
+    2's context, then the caller's is put back. When it cannot be, the copy is refused (CudaError naming the call)
+    and its memory freed: a caller left in the wrong context is told so, not handed a tensor."""
+    cuda_runtime_info()
+    host = np.arange(8, dtype=np.float32)
+    register(cudart, host, DEVICE, device=2)
+    cudart.add_stream(S1, 2)
+    cudart.add_stream(S2, 2)
+    obj = CaiArray(host, stream=S1)
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
+    log = cudart.log()
+    copied = next(i for i, line in enumerate(log) if line.startswith("cudaMemcpyAsync"))
+    pops = sum(line.startswith("cuCtxPopCurrent") for line in log[:copied])  # the pop after the copy is the next
+    del capsule
+    cudart.clear_log()
+    cudart.fail("cuCtxPopCurrent", 201, after=pops)
+    with pytest.raises(CudaError, match="cuCtxPopCurrent failed"):
+        DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
+    log = cudart.log()
+    assert any(line.startswith("cudaMemcpyAsync") for line in log) and freed(log) == 1
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def c_heap_bytes():
+    """Bytes the C heap has handed out and not taken back (glibc's mallinfo2: small blocks and mapped ones), or
+    None where it cannot say (no mallinfo2, or an allocator such as ASan's that does not fill it in)."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def used():
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    before = used()
+    probe = libc.malloc(1 << 20)
+    counted = used() - before >= 1 << 20
+    libc.free(probe)
+    return used() if counted else None
+
+
+def test_staged_host_copy_whose_devices_scope_cannot_be_entered_frees_its_staging(cudart):
+    """A host copy past the call limit stages the bytes it reaches in one host block first; when the data's device
+    cannot be entered for the copy, the copy is refused (CudaError) and that block freed, every time."""
+    if c_heap_bytes() is None:
+        pytest.skip("this C library cannot say how much of its heap is in use (mallinfo2)")
+    allocation = np.arange(2 * (MAX_CALLS + 10), dtype=np.float32).reshape(-1, 2)
+    register(cudart, allocation, DEVICE, device=2)
+    source = allocation[:, :1]  # rows of 4 bytes, 8 apart: one call each once 8 is past the bound, so staged
+    cudart.set_max_pitch(4)
+    obj = CaiArray(source)
+    cudart.clear_log()
+    np.from_dlpack(DLPackShim(obj), device="cpu")
+    log = cudart.log()
+    assert copies_in(log) == [f"cudaMemcpyAsync({allocation.nbytes - 4} bytes, kind 4, 1)"]  # one staged copy
+    retains = sum(line.startswith("cuDevicePrimaryCtxRetain") for line in log)
+    gc.collect()
+    before = c_heap_bytes()
+    for _ in range(4):  # a lost staging block is half a MiB a call
+        cudart.fail("cuDevicePrimaryCtxRetain", 101, after=retains - 1)
+        with pytest.raises(CudaError, match="cuDevicePrimaryCtxRetain failed"):
+            DLPackShim(obj).__dlpack__(dl_device=(1, 0), max_version=(1, 0))
+    gc.collect()
+    assert c_heap_bytes() - before < allocation.nbytes // 2

@@ -73,6 +73,13 @@ def test_the_exchange_allocator_refuses_a_tpu_or_ascend_prototype_naming_it(name
         allocate((2, 32, 1), (4,), (NEW_DEVICES[name], 0))
 
 
+@pytest.mark.parametrize("code, name", [(0, "kDLInt"), (1, "kDLUInt"), (2, "kDLFloat"), (18, "kDLBcomplex")])
+def test_a_type_without_a_typestr_is_refused_naming_its_code(code, name):
+    made = MadeTensor(data=np.zeros(2).__array_interface__["data"][0], dtype=(code, 7, 1), shape=(2,))
+    with pytest.raises(UnsupportedArrayError, match=rf"DLPack dtype {name} \(code={code}, bits=7, lanes=1\)"):
+        dlpack2cai(made.capsule)
+
+
 def test_a_type_code_newer_than_1_4_is_refused_as_unknown():
     made = MadeTensor(data=np.zeros(2).__array_interface__["data"][0], dtype=(99, 8, 1), shape=(2,))
     with pytest.raises(UnsupportedArrayError, match=r"DLPack dtype an unknown code \(code=99, bits=8, lanes=1\)"):

@@ -656,3 +656,15 @@ def test_cuda_errors_leak_nothing(cudart, device_array):
     finally:
         tracemalloc.stop()
     assert min(growth) < 16 * 1024, growth
+
+
+def test_a_failed_capture_query_of_the_callers_stream_for_host_accessible_memory_raises(cudart, host_accessible):
+    """Pinned and managed memory produced on S1 for the caller's legacy stream: that stream is asked whether it
+    captures, in the caller's context, before anything is ordered. A failed query is a CudaError, nothing ordered."""
+    obj = CaiArray(host_accessible, stream=S1)
+    cudart.clear_log()
+    cudart.fail("cudaStreamGetCaptureInfo", 400)
+    with pytest.raises(CudaError, match="cudaStreamGetCaptureInfo failed: cudaErrorInvalidResourceHandle"):
+        cai2dlpack(obj, stream=1, max_version=(1, 0))
+    assert not any(line.startswith(("cudaEventRecord", "cudaStreamWaitEvent")) for line in cudart.log())
+    assert cudart.last_error == 0
