@@ -236,3 +236,21 @@ def test_a_type_of_a_few_bits_takes_whole_bytes(cudart, dtype):
     a 9-bit one two; the block holds them all."""
     assert itemsize(dtype) >= 1
     assert allocate_and_check(dtype, [1000], (CPU, 0), 1, False) == "made"
+
+
+def test_an_empty_prototype_whose_strides_just_fit_is_made(cudart):
+    """No elements, so no bytes: its contiguous strides (2**62, 2, 1) fit in 64 bits, and it is made with them."""
+    made = doors.allocate((2, 32, 1), [0, 2**61, 2], (CPU, 0))
+    try:
+        assert made.fields()["strides"] == (2**62, 2, 1)
+    finally:
+        made.delete()
+
+
+@pytest.mark.parametrize("device, call", [((CUDA, 0), "cudaMalloc"), ((PINNED, 0), "cudaMallocHost"),
+                                          ((MANAGED, 0), "cudaMallocManaged")], ids=["device", "pinned", "managed"])
+def test_a_failed_device_allocation_is_refused_naming_its_call(cudart, device, call):
+    cudart.fail(call, 2)
+    with pytest.raises(doors.AllocationRefused) as refused:
+        doors.allocate((2, 32, 1), [4], device)
+    assert f": {call} failed: cudaErrorMemoryAllocation" in refused.value.message, refused.value.message

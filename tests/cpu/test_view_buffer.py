@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cai_dlpack import cai2dlpack, dlpack2cai
-from support.dlpack_ctypes import MadeTensor, kDLCPU, kDLCUDA, kDLFloat
+from support.dlpack_ctypes import MadeTensor, kDLCPU, kDLCUDA, kDLFloat, kDLUInt
 from support.optional import needs_torch, torch
 from test_host_peers import DTYPES, layouts
 
@@ -129,6 +129,17 @@ def test_shape_too_large_for_a_buffer():
     view = dlpack2cai(made.capsule)
     with pytest.raises(BufferError, match="more bytes than a buffer can hold"):
         memoryview(view)
+
+
+@pytest.mark.parametrize("strides", [(2**62,), (-(2**62),)], ids=["up", "down"])
+def test_strides_past_the_address_space_are_refused_at_the_door(strides):
+    base = np.zeros(4)
+    # bytes (itemsize 1): four steps of 2**62 are 2**64, past any offset a 64-bit extent can hold
+    made = MadeTensor(data=base.__array_interface__["data"][0], device=(kDLCPU, 0), dtype=(kDLUInt, 8, 1),
+                      shape=(5,), strides=strides)
+    with pytest.raises(BufferError, match="DLPack tensor shape and strides reach outside the address space"):
+        dlpack2cai(made.capsule)
+    assert made.deleted == 1
 
 
 def test_element_count_past_64_bits_is_refused_at_the_door():
