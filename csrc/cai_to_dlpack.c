@@ -705,7 +705,12 @@ typedef struct {
 /* NumPy's public array flags (ndarraytypes.h). NumPy keeps flags of its own above these (one marks arrays that
  * warn on their first write, which its buffer reports read-only): an array with any of them set is left to the
  * buffer, where NumPy says what they mean. */
-enum { CDL_NUMPY_C_CONTIGUOUS = 0x0001, CDL_NUMPY_WRITEABLE = 0x0400, CDL_NUMPY_PUBLIC_FLAGS = 0xFFFF };
+enum {
+    CDL_NUMPY_C_CONTIGUOUS = 0x0001,
+    CDL_NUMPY_F_CONTIGUOUS = 0x0002,
+    CDL_NUMPY_WRITEABLE = 0x0400,
+    CDL_NUMPY_PUBLIC_FLAGS = 0xFFFF
+};
 
 /* numpy.ndarray once an array of it was met (NULL before): arrays of exactly that type are read from their
  * fields. Set once, to the one static type of that name; read without a lock on free-threaded builds. */
@@ -772,11 +777,19 @@ static int cdl_array_from_ndarray(PyObject *obj, cdl_array *out)
     out->ndim = array->nd;
     for (int i = 0; i < array->nd; i++)
         out->shape[i] = array->dimensions[i];
-    /* A C-contiguous array is given its contiguous strides, as its buffer and its interface both give them (its
-     * own may differ where an extent is 0 or 1, which never steps). */
+    /* A contiguous array is given the strides of its order, as its buffer gives them (its own may differ where an
+     * extent is 0 or 1, which never steps): C order first, as NumPy's buffer asks. */
     if (flags & CDL_NUMPY_C_CONTIGUOUS) {
         if (cdl_contiguous_strides(out->ndim, out->shape, out->strides) < 0)
             return 0;
+    }
+    else if (flags & CDL_NUMPY_F_CONTIGUOUS) {
+        int64_t stride = 1;
+        for (int i = 0; i < array->nd; i++) {
+            out->strides[i] = stride;
+            if (__builtin_mul_overflow(stride, out->shape[i] > 1 ? out->shape[i] : 1, &stride))
+                return 0;
+        }
     }
     else {
         for (int i = 0; i < array->nd; i++) {
