@@ -684,3 +684,4 @@ def test_a_refused_export_read_through_the_interface_keeps_nothing_of_the_refusa
     before = sys.getrefcount(error)
     convert(200)
     assert sys.getrefcount(error) == before
+

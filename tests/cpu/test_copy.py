@@ -1086,3 +1086,15 @@ def test_staged_host_copy_whose_devices_scope_cannot_be_entered_frees_its_stagin
             DLPackShim(obj).__dlpack__(dl_device=(1, 0), max_version=(1, 0))
     gc.collect()
     assert c_heap_bytes() - before < allocation.nbytes // 2
+
+
+def test_empty_device_copy_is_made_with_no_stream(cudart):
+    """A device copy of no elements is one byte nobody reads: allocated with no stream (not stream-ordered on the
+    consumer's) and nothing queued."""
+    source, obj = device_source(cudart, "empty")
+    cudart.add_stream(S2, 0)
+    cudart.clear_log()
+    capsule = DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
+    allocations = [line for line in cudart.log() if line.startswith("cudaMalloc")]
+    assert allocations == ["cudaMalloc(1) -> ok"] and copies_in(cudart.log()) == []
+    del capsule

@@ -564,3 +564,19 @@ def test_an_extent_at_the_ends_of_the_address_space(pointer, strides, fits):
     else:
         with pytest.raises(ValueError, match="reaches outside the address space"):
             cai2dlpack(obj)
+
+
+class SetOnly:
+    """A data descriptor with __set__ and no __get__: attribute lookup gives the descriptor object itself."""
+
+    def __set__(self, obj, value):
+        raise AttributeError("read-only")
+
+
+def test_an_interface_that_is_a_descriptor_without_get_is_read_as_python_reads_it():
+    class Producer:
+        __cuda_array_interface__ = SetOnly()
+
+    assert isinstance(Producer().__cuda_array_interface__, SetOnly)
+    with pytest.raises(TypeError, match="__cuda_array_interface__ must be a dict, not SetOnly"):
+        cai2dlpack(Producer())

@@ -803,3 +803,44 @@ def test_a_release_whose_event_record_is_refused_records_a_new_event_and_still_w
     drain(late)
     gc.collect()
     assert watch() is None
+
+
+def test_two_releases_pending_at_once_record_two_kept_events():
+    """Two releases wait, then complete: both events are kept. Two more releases pending at once take one kept
+    event each, never the same one twice (one event would mark two points of the stream, and the older release
+    would wait for the newer's work). In a fresh process, whose kept events are all this case's."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        import numpy as np
+        sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
+        from support.cuda_double import CudaDouble, DEVICE
+        from support.cai_objects import CaiArray, register
+        from test_ordered_release import through_cai2dlpack
+        from cai_dlpack import _core
+        double = CudaDouble(os.environ["CAI_DLPACK_CUDART"])
+        host = np.zeros(8, dtype=np.float32)
+        register(double, host, DEVICE)
+        double.add_stream({S1}, 0)
+        double.add_stream({S2}, 0)
+        double.late = True
+        obj = CaiArray(host, stream={S1})
+
+        def two_pending():
+            drops = [through_cai2dlpack(obj)[1] for _ in range(2)]
+            double.clear_log()
+            for drop in drops:
+                drop()
+            return [line.split(",")[0] for line in double.log() if line.startswith("cudaEventRecord(")
+                    and line.endswith(", {S2})")]
+
+        two_pending()
+        double.run_all()
+        assert _core._pending_releases()["pending"] == 0  # completed: both events kept
+        made = double.events_created
+        print(*two_pending(), double.events_created - made)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    first, second, made = result.stdout.split()
+    assert first != second and made == "0", result.stdout  # the two kept events, one each
