@@ -1098,3 +1098,21 @@ def test_empty_device_copy_is_made_with_no_stream(cudart):
     allocations = [line for line in cudart.log() if line.startswith("cudaMalloc")]
     assert allocations == ["cudaMalloc(1) -> ok"] and copies_in(cudart.log()) == []
     del capsule
+
+
+def test_device_copy_of_exactly_the_call_limit_is_made(cudart):
+    """65,536 runtime copy calls is the limit itself: made, one call a row; one more row is refused."""
+    allocation = np.arange(2 * (MAX_CALLS + 1), dtype=np.float32).reshape(-1, 2)
+    register(cudart, allocation, DEVICE)
+    cudart.set_max_pitch(4)  # rows of 4 bytes, 8 apart: past the bound, so one call each
+    obj = CaiArray(allocation[:MAX_CALLS, :1])
+    capsule = DLPackShim(obj).__dlpack__(copy=True)  # the runtime loaded, the pitch and the pool's event asked once
+    del capsule
+    cudart.clear_log()
+    before = cudart.calls
+    capsule = DLPackShim(obj).__dlpack__(copy=True)
+    assert cudart.calls - before >= MAX_CALLS  # (the log keeps only its first lines)
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), np.float32), allocation[:MAX_CALLS, :1])
+    del capsule
+    with pytest.raises(BufferError, match="would take more than 65536 runtime copy calls"):
+        DLPackShim(CaiArray(allocation[:, :1])).__dlpack__(copy=True)
