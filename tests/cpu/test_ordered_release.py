@@ -844,3 +844,38 @@ def test_two_releases_pending_at_once_record_two_kept_events():
     assert result.returncode == 0, result.stderr
     first, second, made = result.stdout.split()
     assert first != second and made == "0", result.stdout  # the two kept events, one each
+
+
+def test_at_most_64_events_are_kept_for_later_releases():
+    """Seventy releases wait at once, then their stream runs: 64 of their events are kept for later releases (the
+    README's bound), the other six destroyed. In a fresh process, whose kept events are all this case's."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        import numpy as np
+        sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
+        from support.cuda_double import CudaDouble, DEVICE
+        from support.cai_objects import CaiArray, register
+        from test_ordered_release import through_cai2dlpack
+        from cai_dlpack import _core
+        double = CudaDouble(os.environ["CAI_DLPACK_CUDART"])
+        host = np.zeros(8, dtype=np.float32)
+        register(double, host, DEVICE)
+        double.add_stream({S1}, 0)
+        double.add_stream({S2}, 0)
+        double.late = True
+        obj = CaiArray(host, stream={S1})
+        through_cai2dlpack(obj)[1]()  # the conversions' own event (stream ordering) is made
+        double.run_all()
+        _core._pending_releases()
+        alive = double.events_alive
+        for drop in [through_cai2dlpack(obj)[1] for _ in range(70)]:
+            drop()
+        assert _core._pending_releases()["pending"] == 70
+        double.run_all()
+        assert _core._pending_releases()["pending"] == 0
+        print(double.events_alive - alive)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["63"]  # 64 kept, one of which the first release kept already
