@@ -4,6 +4,7 @@ every door, in every capture mode. The capture is never invalidated (the double 
 refuse), the host never blocks, and where no ordering keeps the capture whole and the replay right, the
 conversion raises CudaError naming the capture and the error CUDA would have given, having called nothing."""
 import ctypes
+import gc
 import itertools
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -761,7 +763,7 @@ class DeviceNameError(RuntimeError):
 
 def test_a_producer_that_cannot_name_its_device_has_its_error_released_when_dlpack_decides(cudart):
     """Outside a capture the producer's error is set aside, the legacy stream is asked about, and __dlpack__
-    decides: the error set aside is then dropped, its type and its value, not kept one reference per call."""
+    decides: the error set aside is then dropped, its type, value and traceback, not kept one reference per call."""
     cuda_runtime_info()  # the runtime is loaded
     error = DeviceNameError("this producer cannot name its device")
 
@@ -777,10 +779,14 @@ def test_a_producer_that_cannot_name_its_device_has_its_error_released_when_dlpa
                 dlpack2cai(producer)
         error.__traceback__ = None  # each raise gives it a traceback of its own: not what is counted
 
+    def tracebacks():
+        gc.collect()
+        return sum(isinstance(o, types.TracebackType) for o in gc.get_objects())
+
     convert(3)
-    before = sys.getrefcount(error), sys.getrefcount(DeviceNameError)
+    before = sys.getrefcount(error), sys.getrefcount(DeviceNameError), tracebacks()
     convert(200)
-    assert (sys.getrefcount(error), sys.getrefcount(DeviceNameError)) == before
+    assert (sys.getrefcount(error), sys.getrefcount(DeviceNameError), tracebacks()) == before
     assert producer.asked == [None] * 203
 
 
