@@ -1056,15 +1056,13 @@ static PyObject *cdl_refuse_read_only_legacy(void)
     return NULL;
 }
 
-PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
-                     PyObject *max_version, PyObject *dl_device, PyObject *copy)
+/* cdl_export of a consumer that asked for something; kept out of line so that the common call, which asks for
+ * nothing, does not pay for saving the registers this one needs. */
+static __attribute__((noinline)) PyObject *cdl_export_as_asked(const cdl_array *arr, PyObject *owner,
+                                                                PyObject *keepalive, PyObject *stream,
+                                                                PyObject *max_version, PyObject *dl_device,
+                                                                PyObject *copy)
 {
-    if (stream == NULL && max_version == NULL && dl_device == NULL && copy == NULL) {
-        /* No keyword: the legacy stream, a legacy capsule of the data where it is. */
-        if (arr->read_only)
-            return cdl_refuse_read_only_legacy();
-        return cdl_export_shared(arr, owner, keepalive, 0, CDL_STREAM_LEGACY);
-    }
     int64_t consumer;
     int versioned;
     DLDevice target;
@@ -1110,4 +1108,16 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
     if (arr->read_only && !versioned)
         return cdl_refuse_read_only_legacy();
     return cdl_export_shared(arr, owner, keepalive, versioned, consumer);
+}
+
+PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
+                     PyObject *max_version, PyObject *dl_device, PyObject *copy)
+{
+    if (stream == NULL && max_version == NULL && dl_device == NULL && copy == NULL) {
+        /* No keyword: the legacy stream, a legacy capsule of the data where it is. */
+        if (arr->read_only)
+            return cdl_refuse_read_only_legacy();
+        return cdl_export_shared(arr, owner, keepalive, 0, CDL_STREAM_LEGACY);
+    }
+    return cdl_export_as_asked(arr, owner, keepalive, stream, max_version, dl_device, copy);
 }

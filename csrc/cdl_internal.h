@@ -283,12 +283,28 @@ extern _Atomic int cdl_option_export_stream;   /* 0: producers export "stream": 
  * of the CUDA stream protocol, __cuda_stream__() -> (version, handle), a NULL handle -> 1) when
  * consumer is 1, a CAI 'stream' entry (None -> 0, 1, 2 or a handle) when 0. Returns 0 or -1. */
 int cdl_parse_stream(PyObject *value, const char *what, int consumer, int64_t *out);
+/* cdl_order_streams where two streams may be involved: everything it does past its inline answers. */
+int cdl_order_streams_by_runtime(const cdl_array *arr, int64_t consumer);
 /* Orders the consumer stream after arr's producer stream on its device, host not blocked (nothing to do
  * for an array without elements). Inside CUDA graph captures it does what the README's table says: a
  * wait inside one capture, an external wait for work made outside the consumer's capture, or CudaError
  * naming the capture where no ordering keeps it whole (nothing is then called that would break it).
  * Returns 0, or -1 with an exception set; the caller's current device is unchanged either way. */
-int cdl_order_streams(const cdl_array *arr, int64_t consumer);
+static inline int cdl_order_streams(const cdl_array *arr, int64_t consumer)
+{
+    /* What needs no runtime call is answered inline, since most conversions end here (no ordering asked, host
+     * data, or the producer's own stream): the call would cost more than the answer. One handle is one stream
+     * except a legacy or per-thread handle for pinned or managed memory, which names the caller's device's
+     * stream (cdl_order_streams_by_runtime says why). */
+    const int64_t producer = arr->stream;
+    const DLDeviceType type = arr->device.device_type;
+    if (!cdl_option_sync || producer == 0 || consumer == CDL_STREAM_NO_SYNC || type == kDLCPU)
+        return 0;
+    if (producer == consumer &&
+        (type == kDLCUDA || (consumer != CDL_STREAM_LEGACY && consumer != CDL_STREAM_PER_THREAD)))
+        return 0;
+    return cdl_order_streams_by_runtime(arr, consumer);
+}
 /* The stream a view exports in its CAI (0 for None): stream, or 0 while it is capturing a graph (or is the
  * legacy stream and a blocking stream of device captures), since CAI consumers synchronize the stream they
  * are given and a capture forbids that. One capture query; none for stream 0 or host memory. 0 or -1. */

@@ -331,12 +331,10 @@ static int cdl_capture_on_device(const cdl_cudart *rt, int device, int64_t strea
     return result;
 }
 
-int cdl_order_streams(const cdl_array *arr, int64_t consumer)
+int cdl_order_streams_by_runtime(const cdl_array *arr, int64_t consumer)
 {
     const DLDevice device = arr->device;
     const int64_t producer = arr->stream;
-    if (!cdl_option_sync || producer == 0 || consumer == CDL_STREAM_NO_SYNC || device.device_type == kDLCPU)
-        return 0;
     /* A legacy or per-thread consumer handle names the stream of a device: for device memory the data's (the
      * array API's: a consumer's stream is on the array's device), for pinned and managed memory, which any
      * device may use, the caller's, so that wait is made in the caller's own context once the producer's is
@@ -344,8 +342,6 @@ int cdl_order_streams(const cdl_array *arr, int64_t consumer)
      * is not the allocation's (the producer's stream), else one handle is one stream. */
     const int default_consumer = consumer == CDL_STREAM_LEGACY || consumer == CDL_STREAM_PER_THREAD;
     const int in_callers_context = device.device_type != kDLCUDA && default_consumer;
-    if (producer == consumer && !in_callers_context)
-        return 0;
     /* No elements, nothing to race on. Producers give such arrays a NULL pointer, so the device is
      * only a guess (the current one) and may not be the producer stream's: recording there would fail. */
     for (int32_t i = 0; i < arr->ndim; i++) {
