@@ -257,9 +257,7 @@ static void cdl_capsule_destructor(PyObject *capsule)
     const char *name = PyCapsule_GetName(capsule);
     if (name != cdl_capsule_name_legacy && name != cdl_capsule_name_versioned)
         return;
-    /* The tensor is the capsule's context too (cdl_capsule_of): PyCapsule_GetPointer would compare the name just
-     * compared by address once more, character by character. */
-    cdl_managed managed = {PyCapsule_GetContext(capsule), name == cdl_capsule_name_versioned};
+    cdl_managed managed = {PyCapsule_GetPointer(capsule, name), name == cdl_capsule_name_versioned};
     if (managed.pointer == NULL) {
         PyErr_WriteUnraisable(capsule);
         return;
@@ -277,22 +275,6 @@ static void cdl_capsule_destructor(PyObject *capsule)
     cdl_managed_delete(&managed);
 }
 
-/* A capsule of our tensor, named for its layout, whose context is the tensor as well (for the destructor). The
- * tensor is deleted where no capsule could be made. */
-static PyObject *cdl_capsule_of(cdl_managed managed)
-{
-    PyObject *capsule = PyCapsule_New(managed.pointer,
-                                      managed.versioned ? cdl_capsule_name_versioned : cdl_capsule_name_legacy,
-                                      cdl_capsule_destructor);
-    if (capsule == NULL) {
-        cdl_managed_delete(&managed);
-        return NULL;
-    }
-    /* Refused only for an invalid capsule, which one just made is not. */
-    (void)PyCapsule_SetContext(capsule, managed.pointer);
-    return capsule;
-}
-
 PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned,
                                  const cdl_release_point *release_at)
 {
@@ -301,7 +283,11 @@ PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject
         return NULL;
     if (release_at != NULL && release_at->stream != 0)
         cdl_managed_order_release(managed, release_at, 0);
-    return cdl_capsule_of(managed);
+    PyObject *capsule = PyCapsule_New(managed.pointer, versioned ? cdl_capsule_name_versioned : cdl_capsule_name_legacy,
+                                      cdl_capsule_destructor);
+    if (capsule == NULL)
+        cdl_managed_delete(&managed);
+    return capsule;
 }
 
 PyObject *cdl_capsule_owning_data(const cdl_array *arr, cdl_data_release release_data, int versioned)
@@ -320,7 +306,11 @@ PyObject *cdl_capsule_owning_data(const cdl_array *arr, cdl_data_release release
     block->release_data = release_data;
     block->owned_data = arr->data;
     block->owned_device = arr->device;
-    return cdl_capsule_of(managed);
+    PyObject *capsule = PyCapsule_New(managed.pointer, versioned ? cdl_capsule_name_versioned : cdl_capsule_name_legacy,
+                                      cdl_capsule_destructor);
+    if (capsule == NULL)
+        cdl_managed_delete(&managed);
+    return capsule;
 }
 
 /* cdl_managed_from_capsule inside its critical section. */
