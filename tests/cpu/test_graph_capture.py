@@ -800,3 +800,23 @@ def test_a_producer_that_cannot_name_its_device_when_the_capture_query_fails(cud
     with pytest.raises(CudaError, match="cudaStreamGetCaptureInfo"):
         dlpack2cai(producer)
     assert producer.asked == []
+
+
+class InterruptedDevice(UnnamedDevice):
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    def __dlpack_device__(self):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), MemoryError()], ids=["KeyboardInterrupt", "MemoryError"])
+def test_an_interrupt_or_memory_error_asking_a_producers_device_is_raised(cudart, error):
+    """Only an ordinary error of __dlpack_device__ leaves the decision to __dlpack__: an interrupt or running out
+    of memory is raised at once, and the producer is not asked for its data."""
+    cuda_runtime_info()  # the runtime is loaded
+    producer = InterruptedDevice(error)
+    with pytest.raises(type(error)):
+        dlpack2cai(producer)
+    assert producer.asked == []
