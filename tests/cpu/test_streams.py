@@ -4,7 +4,9 @@ pinned or managed memory, which waits once for the stream its producer made it r
 import gc
 import os
 import re
+import subprocess
 import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -668,3 +670,40 @@ def test_a_failed_capture_query_of_the_callers_stream_for_host_accessible_memory
         cai2dlpack(obj, stream=1, max_version=(1, 0))
     assert not any(line.startswith(("cudaEventRecord", "cudaStreamWaitEvent")) for line in cudart.log())
     assert cudart.last_error == 0
+
+
+def test_a_stream_int_given_to_dlpack2cai_is_not_kept(cudart, device_array):
+    """dlpack2cai(producer, stream=s) hands the producer s itself and keeps no reference to it."""
+    stream = int(str(S2))  # an int object of its own (not one of CPython's cached small ints)
+    producer = DLPackShim(CaiArray(device_array, stream=S1))
+    dlpack2cai(producer, stream=stream)
+    before = sys.getrefcount(stream)
+    for _ in range(200):
+        dlpack2cai(producer, stream=stream)
+    assert sys.getrefcount(stream) == before
+
+
+def test_the_first_thread_to_name_its_per_thread_stream_is_known_by_it_ever_after():
+    """In a fresh process, the first thread to hand a tensor over for its per-thread stream (stream=2) is known by
+    the same number from its first call on: the tensor's release is recorded on that thread's per-thread stream
+    (2), as its own, not on the legacy stream (which another thread's release falls back to)."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        import numpy as np
+        sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
+        from support.cuda_double import CudaDouble, DEVICE
+        from support.cai_objects import CaiArray, register
+        from cai_dlpack import DLPackShim, dlpack2cai
+        double = CudaDouble(os.environ["CAI_DLPACK_CUDART"])
+        host = np.arange(8, dtype=np.float32)
+        register(double, host, DEVICE)
+        double.add_stream({S1}, 0)
+        view = dlpack2cai(DLPackShim(CaiArray(host, stream={S1})), stream=2)
+        double.clear_log()
+        del view  # its tensor's release is recorded on the stream it was handed over for
+        print(*[line.split(", ")[-1].rstrip(")") for line in double.log() if line.startswith("cudaEventRecord(")])
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() and set(result.stdout.split()) == {"2"}, result.stdout
