@@ -9,6 +9,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import types
 import weakref
 
 import numpy as np
@@ -670,7 +671,8 @@ class RefusingWithInterface:
 
 def test_a_refused_export_read_through_the_interface_keeps_nothing_of_the_refusal(example):
     """to_managed_tensor of a producer whose __dlpack__ refuses (BufferError) reads its array interface instead; the
-    refusal, set aside while the interface is asked for, is dropped whole: not one reference kept per call."""
+    refusal, set aside while the interface is asked for, is dropped whole (type, value and traceback): not one
+    reference kept per call."""
     x = np.arange(4.0)
     error = BufferError("this producer's export refuses")
     producer = RefusingWithInterface(x, error)
@@ -680,8 +682,13 @@ def test_a_refused_export_read_through_the_interface_keeps_nothing_of_the_refusa
             assert example.managed(producer, -1)["shape"] == (4,)
         error.__traceback__ = None  # each raise gives it a traceback of its own: not what is counted
 
+    def tracebacks():
+        gc.collect()
+        return sum(isinstance(o, types.TracebackType) for o in gc.get_objects())
+
     convert(3)
-    before = sys.getrefcount(error)
+    before = sys.getrefcount(error), sys.getrefcount(producer), tracebacks()
     convert(200)
-    assert sys.getrefcount(error) == before
+    assert (sys.getrefcount(error), sys.getrefcount(producer), tracebacks()) == before  # a kept traceback keeps
+                                                                                        # __dlpack__'s frame
 

@@ -73,7 +73,8 @@ def test_the_exchange_allocator_refuses_a_tpu_or_ascend_prototype_naming_it(name
         allocate((2, 32, 1), (4,), (NEW_DEVICES[name], 0))
 
 
-@pytest.mark.parametrize("code, name", [(0, "kDLInt"), (1, "kDLUInt"), (2, "kDLFloat"), (18, "kDLBcomplex")])
+@pytest.mark.parametrize("code, name", [(0, "kDLInt"), (1, "kDLUInt"), (2, "kDLFloat"), (18, "kDLBcomplex"),
+                                        (19, "an unknown code")])  # one past the table: ASan reads its bound
 def test_a_type_without_a_typestr_is_refused_naming_its_code(code, name):
     made = MadeTensor(data=np.zeros(2).__array_interface__["data"][0], dtype=(code, 7, 1), shape=(2,))
     with pytest.raises(UnsupportedArrayError, match=rf"DLPack dtype {name} \(code={code}, bits=7, lanes=1\)"):
@@ -86,4 +87,11 @@ def test_a_type_code_newer_than_1_4_is_refused_as_unknown():
         dlpack2cai(made.capsule)
     made = MadeTensor(data=0x7000_0000, device=(kDLCPU + 99, 0), shape=(3,))
     with pytest.raises(BufferError, match=r"device type 100 \(an unknown device type\)"):
+        dlpack2cai(made.capsule)
+
+
+@pytest.mark.parametrize("device_type", [22, 100])  # one past DLPack 1.4's last (kDLAscend, 21), and far past
+def test_a_device_type_past_1_4_is_refused_as_unknown(device_type):
+    made = MadeTensor(data=0x7000_0000, device=(device_type, 0), shape=(3,))
+    with pytest.raises(BufferError, match=rf"device type {device_type} \(an unknown device type\)"):
         dlpack2cai(made.capsule)

@@ -580,3 +580,13 @@ def test_an_interface_that_is_a_descriptor_without_get_is_read_as_python_reads_i
     assert isinstance(Producer().__cuda_array_interface__, SetOnly)
     with pytest.raises(TypeError, match="__cuda_array_interface__ must be a dict, not SetOnly"):
         cai2dlpack(Producer())
+
+
+def test_keys_that_are_equal_strings_but_not_the_interned_names_are_read():
+    """A producer may build its keys at run time (str objects of their own, not the interned literals): every key
+    is still found by its text, and the dict converts as the literal one does."""
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    literal = dict(x.__array_interface__)
+    built = {"".join(list(key)): value for key, value in literal.items()}
+    assert all(a == b and a is not b for a, b in zip(literal, built))
+    assert read_capsule(cai2dlpack(HostInterface(built))) == read_capsule(cai2dlpack(HostInterface(literal)))
