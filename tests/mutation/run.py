@@ -712,7 +712,7 @@ def write_report(path, args, results, deselected, started, elapsed_min=None):
         f"- command: `{command}`",
         f"- seed: {args.seed}; mutants sampled: {len(results)} of {args.count} asked" if not getattr(args, "ids", None)
         else f"- mutants: {len(results)}, the ones the ids of {args.ids} name (not a sample)",
-        f"- sources: csrc at commit {git_head()} (work tree {'clean' if git_clean() else 'with changes'})",
+        f"- sources: csrc at commit {args.sources} (when the run started)",
         f"- started {started}, took {elapsed_min if elapsed_min is not None else round((time.monotonic() - args.t0) / 60, 1)} min",
         f"- **score: behaviour-changing mutants killed: {score}** (a timeout, a hang, counts as killed)",
         "",
@@ -746,7 +746,7 @@ def write_report(path, args, results, deselected, started, elapsed_min=None):
         f.write("\n".join(lines))
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
         json.dump({"seed": args.seed, "count": args.count, "files": args.files, "results": results,
-                   "deselected": deselected, "score": score, "started": started,
+                   "deselected": deselected, "score": score, "started": started, "sources": args.sources,
                    "elapsed_min": elapsed_min if elapsed_min is not None else
                    round((time.monotonic() - args.t0) / 60, 1)}, f, indent=1)
 
@@ -755,7 +755,7 @@ def merge(args):
     """One report of a run made in ranges: the results by their index (a result without one is at its place
     in its report; of two results for one index, the one of the report named later, a rerun, is kept), the
     deselected tests of all, the longest time."""
-    results, deselected, started, elapsed = {}, set(), [], 0.0
+    results, deselected, started, elapsed, sources = {}, set(), [], 0.0, []
     for path in args.merge:
         with open(path) as f:
             part = json.load(f)
@@ -771,6 +771,9 @@ def merge(args):
         deselected.update(part["deselected"])
         started.append(part.get("started", ""))
         elapsed = max(elapsed, part.get("elapsed_min", 0.0))
+        if part.get("sources", "unknown") not in sources:
+            sources.append(part.get("sources", "unknown"))
+    args.sources = ", ".join(sources)  # the commit each part started at (one, unless a rerun came later)
     ordered = [results[i] for i in sorted(results)]
     named = read_equivalents()  # survivors named equivalent since their run
     for result in ordered:
@@ -818,6 +821,9 @@ def main():
     args = parser.parse_args()
     args.t0 = time.monotonic()
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    # The commit the work tree is at now, when its files are synced: a report written an hour later names the
+    # code its mutants were drawn from, not what was committed meanwhile.
+    args.sources = f"{git_head()} (work tree {'clean' if git_clean() else 'with changes'})"
     if args.merge is not None:
         merge(args)
         return
