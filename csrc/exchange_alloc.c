@@ -153,6 +153,10 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
                      rt ? " failed: " : "", rt ? cdl_error_name(rt, status, in_driver) : "no CUDA runtime found");
             if (rt && !in_driver)
                 (void)rt->get_last_error();
+            /* Out of memory is a MemoryError, as for the host (the runtime's cudaErrorMemoryAllocation and the
+             * driver's CUDA_ERROR_OUT_OF_MEMORY are both 2); any other refusal stays a RuntimeError. */
+            if (rt && status == cudaErrorMemoryAllocation)
+                kind = "MemoryError";
             data = NULL;
         }
         if (rt != NULL)

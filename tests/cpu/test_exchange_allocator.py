@@ -250,7 +250,14 @@ def test_an_empty_prototype_whose_strides_just_fit_is_made(cudart):
 @pytest.mark.parametrize("device, call", [((CUDA, 0), "cudaMalloc"), ((PINNED, 0), "cudaMallocHost"),
                                           ((MANAGED, 0), "cudaMallocManaged")], ids=["device", "pinned", "managed"])
 def test_a_failed_device_allocation_is_refused_naming_its_call(cudart, device, call):
+    """Refused through SetError naming the call and the runtime's error: out of memory as a MemoryError (as a host
+    allocation's), any other refusal as a RuntimeError."""
     cudart.fail(call, 2)
     with pytest.raises(doors.AllocationRefused) as refused:
         doors.allocate((2, 32, 1), [4], device)
     assert f": {call} failed: cudaErrorMemoryAllocation" in refused.value.message, refused.value.message
+    assert refused.value.kind == "MemoryError"
+    cudart.fail(call, 999)
+    with pytest.raises(doors.AllocationRefused) as refused:
+        doors.allocate((2, 32, 1), [4], device)
+    assert f": {call} failed: cudaErrorUnknown" in refused.value.message and refused.value.kind == "RuntimeError"
