@@ -333,6 +333,21 @@ static int cdl_set_device(cdl_array *out, cdl_source source)
     return 0;
 }
 
+/* Whether the fast readers may take out as measured: no elements, or a non-NULL pointer whose extent lies in the
+ * address space. 0 leaves the array to a general reader, which raises what it finds. Sets no exception. */
+static inline int cdl_extent_readable(const cdl_array *out, int64_t itemsize)
+{
+    int64_t low, high;
+    switch (cdl_measure_extent(out, itemsize, &low, &high)) {
+    case CDL_EXTENT_EMPTY:
+        return 1;
+    case CDL_EXTENT_OK:
+        return out->data != NULL && cdl_extent_fits((uintptr_t)out->data, low, high);
+    default:
+        return 0;
+    }
+}
+
 /* The fused reader of a dict only this call holds (a producer's property builds one on each access, as CuPy,
  * Numba, PyTorch and RMM do), no dtype= asked: what the general reader below does for the common shapes of
  * such a dict, in one pass, with borrowed references and no critical section (no other thread can reach the
@@ -438,15 +453,7 @@ static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *ou
                 return 0;
         }
     }
-    int64_t low, high;
-    switch (cdl_measure_extent(out, itemsize, &low, &high)) {
-    case CDL_EXTENT_EMPTY:
-        return 1;
-    case CDL_EXTENT_OK:
-        return out->data != NULL && cdl_extent_fits((uintptr_t)out->data, low, high);
-    default:
-        return 0;
-    }
+    return cdl_extent_readable(out, itemsize);
 }
 
 /* How many dicts the fused reader read (its own, not the general reader's): tests tell by it that the dicts real
@@ -802,15 +809,7 @@ static int cdl_array_from_ndarray(PyObject *obj, cdl_array *out)
     out->device.device_type = kDLCPU;
     out->device.device_id = out->home_device = 0;
     out->stream = 0;
-    int64_t low, high;
-    switch (cdl_measure_extent(out, itemsize, &low, &high)) {
-    case CDL_EXTENT_EMPTY:
-        return 1;
-    case CDL_EXTENT_OK:
-        return out->data != NULL && cdl_extent_fits((uintptr_t)out->data, low, high);
-    default:
-        return 0;
-    }
+    return cdl_extent_readable(out, itemsize);
 }
 
 /* Whether obj's type implements __array_interface__ in C (a getset descriptor, not a Python-level
