@@ -9,7 +9,6 @@ import subprocess
 import sys
 import sysconfig
 import threading
-import types
 import weakref
 
 import numpy as np
@@ -20,6 +19,7 @@ from cai_dlpack import DLPackShim, DLPackView, cai2dlpack, dlpack2cai
 from support import c_example, doors
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE
+from support.fresh_process import live_tracebacks
 
 from support.optional import needs_torch, needs_tvm_ffi, torch, tvm_ffi
 
@@ -682,13 +682,9 @@ def test_a_refused_export_read_through_the_interface_keeps_nothing_of_the_refusa
             assert example.managed(producer, -1)["shape"] == (4,)
         error.__traceback__ = None  # each raise gives it a traceback of its own: not what is counted
 
-    def tracebacks():
-        gc.collect()
-        return sum(isinstance(o, types.TracebackType) for o in gc.get_objects())
-
     convert(3)
-    before = sys.getrefcount(error), sys.getrefcount(producer), tracebacks()
+    before = sys.getrefcount(error), sys.getrefcount(producer), live_tracebacks()
     convert(200)
-    assert (sys.getrefcount(error), sys.getrefcount(producer), tracebacks()) == before  # a kept traceback keeps
+    assert (sys.getrefcount(error), sys.getrefcount(producer), live_tracebacks()) == before  # a kept traceback keeps
                                                                                         # __dlpack__'s frame
 

@@ -4,7 +4,6 @@ every door, in every capture mode. The capture is never invalidated (the double 
 refuse), the host never blocks, and where no ordering keeps the capture whole and the replay right, the
 conversion raises CudaError naming the capture and the error CUDA would have given, having called nothing."""
 import ctypes
-import gc
 import itertools
 import os
 import re
@@ -12,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import types
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from support import c_example, cuda_double
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL, MANAGED, RELAXED, THREAD_LOCAL
 from support.dlpack_ctypes import DLManagedTensorVersioned, _api
+from support.fresh_process import live_tracebacks
 
 LEGACY, PER_THREAD = 1, 2
 P_HANDLE, C_HANDLE, BYSTANDER = 0x5000, 0x6000, 0x7000
@@ -779,14 +778,10 @@ def test_a_producer_that_cannot_name_its_device_has_its_error_released_when_dlpa
                 dlpack2cai(producer)
         error.__traceback__ = None  # each raise gives it a traceback of its own: not what is counted
 
-    def tracebacks():
-        gc.collect()
-        return sum(isinstance(o, types.TracebackType) for o in gc.get_objects())
-
     convert(3)
-    before = sys.getrefcount(error), sys.getrefcount(DeviceNameError), tracebacks()
+    before = sys.getrefcount(error), sys.getrefcount(DeviceNameError), live_tracebacks()
     convert(200)
-    assert (sys.getrefcount(error), sys.getrefcount(DeviceNameError), tracebacks()) == before
+    assert (sys.getrefcount(error), sys.getrefcount(DeviceNameError), live_tracebacks()) == before
     assert producer.asked == [None] * 203
 
 

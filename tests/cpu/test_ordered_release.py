@@ -21,6 +21,7 @@ from support import doors
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST, RELAXED, THREAD_LOCAL
 from support.dlpack_ctypes import DLManagedTensor, DLManagedTensorVersioned, MadeTensor, _api, kDLCUDA
+from support.fresh_process import run_with_double
 
 S1, S2 = 0x5000, 0x6000  # the producer's stream, the consumer's
 N = 8
@@ -740,15 +741,9 @@ def test_a_device_reset_gives_the_release_a_new_event():
     the next release records a new event instead of a dead one (as the stream ordering of the conversion does:
     two new events, no refused record). In a fresh process, whose spare events all belong to this case (an earlier
     test's could fill the few kept)."""
-    script = textwrap.dedent(f"""
-        import os, sys
-        import numpy as np
-        sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
-        from support.cuda_double import CudaDouble, DEVICE
-        from support.cai_objects import CaiArray, register
+    out = run_with_double(f"""
         from test_ordered_release import through_cai2dlpack
         from cai_dlpack import _core
-        double = CudaDouble(os.environ["CAI_DLPACK_CUDART"])
         host = np.zeros(8, dtype=np.float32)
         register(double, host, DEVICE, device=2)
         double.add_stream({S2}, 2)
@@ -766,10 +761,7 @@ def test_a_device_reset_gives_the_release_a_new_event():
         print(double.events_created - before, sum("error" in line.lower() for line in double.log()),
               _core._pending_releases()["pending"], double.last_error)
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["2", "0", "0", "0"]  # two new events, no error, nothing pending or left
+    assert out == ["2", "0", "0", "0"]  # two new events, no error, nothing pending or left
 
 
 @pytest.mark.parametrize("make", [
@@ -809,15 +801,9 @@ def test_two_releases_pending_at_once_record_two_kept_events():
     """Two releases wait, then complete: both events are kept. Two more releases pending at once take one kept
     event each, never the same one twice (one event would mark two points of the stream, and the older release
     would wait for the newer's work). In a fresh process, whose kept events are all this case's."""
-    script = textwrap.dedent(f"""
-        import os, sys
-        import numpy as np
-        sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
-        from support.cuda_double import CudaDouble, DEVICE
-        from support.cai_objects import CaiArray, register
+    out = run_with_double(f"""
         from test_ordered_release import through_cai2dlpack
         from cai_dlpack import _core
-        double = CudaDouble(os.environ["CAI_DLPACK_CUDART"])
         host = np.zeros(8, dtype=np.float32)
         register(double, host, DEVICE)
         double.add_stream({S1}, 0)
@@ -839,25 +825,16 @@ def test_two_releases_pending_at_once_record_two_kept_events():
         made = double.events_created
         print(*two_pending(), double.events_created - made)
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    first, second, made = result.stdout.split()
-    assert first != second and made == "0", result.stdout  # the two kept events, one each
+    first, second, made = out
+    assert first != second and made == "0", out  # the two kept events, one each
 
 
 def test_at_most_64_events_are_kept_for_later_releases():
     """Seventy releases wait at once, then their stream runs: 64 of their events are kept for later releases (the
     README's bound), the other six destroyed. In a fresh process, whose kept events are all this case's."""
-    script = textwrap.dedent(f"""
-        import os, sys
-        import numpy as np
-        sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
-        from support.cuda_double import CudaDouble, DEVICE
-        from support.cai_objects import CaiArray, register
+    out = run_with_double(f"""
         from test_ordered_release import through_cai2dlpack
         from cai_dlpack import _core
-        double = CudaDouble(os.environ["CAI_DLPACK_CUDART"])
         host = np.zeros(8, dtype=np.float32)
         register(double, host, DEVICE)
         double.add_stream({S1}, 0)
@@ -875,7 +852,4 @@ def test_at_most_64_events_are_kept_for_later_releases():
         assert _core._pending_releases()["pending"] == 0
         print(double.events_alive - alive)
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["63"]  # 64 kept, one of which the first release kept already
+    assert out == ["63"]  # 64 kept, one of which the first release kept already

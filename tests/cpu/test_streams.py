@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import threading
 
 import numpy as np
@@ -16,6 +15,7 @@ import cai_dlpack
 from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai, options
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST
+from support.fresh_process import run_with_double
 
 S1, S2 = 0x5000, 0x6000
 STREAMS = [None, 1, 2, S1, S2, -1]
@@ -687,14 +687,8 @@ def test_the_first_thread_to_name_its_per_thread_stream_is_known_by_it_ever_afte
     """In a fresh process, the first thread to hand a tensor over for its per-thread stream (stream=2) is known by
     the same number from its first call on: the tensor's release is recorded on that thread's per-thread stream
     (2), as its own, not on the legacy stream (which another thread's release falls back to)."""
-    script = textwrap.dedent(f"""
-        import os, sys
-        import numpy as np
-        sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
-        from support.cuda_double import CudaDouble, DEVICE
-        from support.cai_objects import CaiArray, register
+    out = run_with_double(f"""
         from cai_dlpack import DLPackShim, dlpack2cai
-        double = CudaDouble(os.environ["CAI_DLPACK_CUDART"])
         host = np.arange(8, dtype=np.float32)
         register(double, host, DEVICE)
         double.add_stream({S1}, 0)
@@ -703,7 +697,4 @@ def test_the_first_thread_to_name_its_per_thread_stream_is_known_by_it_ever_afte
         del view  # its tensor's release is recorded on the stream it was handed over for
         print(*[line.split(", ")[-1].rstrip(")") for line in double.log() if line.startswith("cudaEventRecord(")])
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() and set(result.stdout.split()) == {"2"}, result.stdout
+    assert out and set(out) == {"2"}, out
