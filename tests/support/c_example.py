@@ -2,8 +2,10 @@
 package (cai_dlpack.get_include() and Python's headers), never against this source tree.
 tests/c_api_example/example.c uses cai_dlpack's C API; tests/exchange_producer/producer.c is a producer
 that publishes the DLPack C exchange API."""
+import atexit
 import importlib.util
 import os
+import shutil
 import subprocess
 import sysconfig
 import tempfile
@@ -17,6 +19,8 @@ PRODUCER = os.path.join(HERE, os.pardir, "exchange_producer", "producer.c")
 
 def build(source=SOURCE, name="cai_dlpack_example"):
     directory = tempfile.mkdtemp(prefix=name + "_")
+    # (the loaded library stays mapped once its file is gone; child processes load it during the session)
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
     target = os.path.join(directory, name + sysconfig.get_config_var("EXT_SUFFIX"))
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
     command = [compiler, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-I", sysconfig.get_paths()["include"],
