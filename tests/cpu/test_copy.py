@@ -1116,3 +1116,55 @@ def test_device_copy_of_exactly_the_call_limit_is_made(cudart):
     del capsule
     with pytest.raises(BufferError, match="would take more than 65536 runtime copy calls"):
         DLPackShim(CaiArray(allocation[:, :1])).__dlpack__(copy=True)
+
+
+def test_strided_host_copy_of_sixteen_byte_items():
+    """complex128, the widest item a typestr names: a strided copy moves each item's 16 bytes whole and packs
+    them 16 bytes apart."""
+    values = np.arange(40) + 1j * np.arange(100, 140)
+    source = values.reshape(5, 8)[::-1, ::3]
+    capsule = DLPackShim(source).__dlpack__(copy=True, max_version=(1, 0))
+    fields = read_capsule(capsule)
+    assert fields["strides"] == contiguous_strides(source.shape)
+    np.testing.assert_array_equal(host_values(fields, source.dtype), source)
+
+
+def test_staged_host_copy_whose_staging_block_cannot_be_had_raises_memory_error(cudart):
+    """A host copy past the call limit stages every byte its layout reaches in one host block. Twenty dimensions
+    of two elements, 2**44 bytes apart (none merges, and none is a pitch the runtime takes), reach 20 * 2**44
+    bytes, past any address space: MemoryError, before anything is copied or waited for."""
+    pointer, stride = 0x7E00_0000_0000, 2**44
+    cudart.add_region(pointer, 20 * stride + 1, DEVICE, 0)
+    obj = InstanceInterface({"shape": (2,) * 20, "typestr": "|u1", "strides": (stride,) * 20,
+                             "data": (pointer, False), "version": 3, "stream": None})
+    cudart.clear_log()
+    with pytest.raises(MemoryError):
+        DLPackShim(obj).__dlpack__(dl_device=(kDLCPU, 0), max_version=(1, 0))
+    log = cudart.log()
+    assert copies_in(log) == [] and not any("Synchronize" in line for line in log)
+
+
+def test_copy_whose_byte_count_passes_64_bits_is_refused():
+    """2**60 complex128 items (a broadcast of one: stride 0) are 2**64 bytes: no allocation can hold the copy,
+    and the count itself does not fit. Refused with BufferError naming the element count and size."""
+    one = np.zeros(1, np.complex128)
+    made = MadeTensor(data=one.ctypes.data, dtype=(5, 128, 1), shape=(2**60,), strides=(0,))  # kDLComplex
+    view = dlpack2cai(made.capsule)
+    for asked in ({"copy": True}, {"copy": True, "max_version": (1, 0)}):
+        with pytest.raises(BufferError, match="^a copy of 1152921504606846976 elements of 16 bytes does not fit "
+                                              "in memory$"):
+            view.__dlpack__(**asked)
+    del view
+
+
+def test_host_copy_larger_than_any_allocation_raises_memory_error(cudart):
+    """2**59 float64 items (a broadcast of one) are 2**62 bytes: the count fits, but no host block that large
+    can be had."""
+    pointer = 0x7E00_0000_0000
+    cudart.add_region(pointer, 8, DEVICE, 0)
+    obj = InstanceInterface({"shape": (2**59,), "typestr": "<f8", "strides": (0,), "data": (pointer, False),
+                             "version": 3, "stream": None})
+    cudart.clear_log()
+    with pytest.raises(MemoryError):
+        DLPackShim(obj).__dlpack__(dl_device=(kDLCPU, 0))
+    assert copies_in(cudart.log()) == []
