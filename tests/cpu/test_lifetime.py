@@ -280,6 +280,42 @@ def test_deleter_called_from_an_isolated_subinterpreter_frees_in_the_owners_inte
     assert result.stdout.split() == ["after", "after", "released", "released"]
 
 
+# A script's lines that make a legacy subinterpreter (it shares the main GIL, so this single-phase module loads
+# there): `interp`, and `run(code)`, which returns an error or None.
+LEGACY_SUBINTERPRETER = """
+try:
+    import _interpreters as interpreters                   # 3.13+
+    interp = interpreters.create("legacy")
+    run = lambda code: interpreters.exec(interp, code)
+except ImportError:
+    import _xxsubinterpreters as interpreters              # 3.11, 3.12 (3.11's "isolated" forbids threads)
+    interp = interpreters.create(isolated=False)
+    run = lambda code: interpreters.run_string(interp, code)
+"""
+
+
+@pytest.mark.skipif(bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
+                    reason="a free-threaded CPython loads no single-phase module (ours) in any subinterpreter")
+@pytest.mark.parametrize("call", ["CFUNCTYPE", "PYFUNCTYPE"])
+def test_deleter_called_on_a_thread_a_legacy_subinterpreter_started_frees_in_the_main_interpreter(call):
+    """A C consumer in a (legacy) subinterpreter drops a tensor of the main interpreter on a thread the
+    subinterpreter started, the GIL let go (CFUNCTYPE) or held (PYFUNCTYPE: the thread attached to the
+    subinterpreter): the owner is freed in the main interpreter, under a thread state made for the release, and
+    the thread then goes on running Python in its own interpreter."""
+    drop = f"ctypes.{call}(None, ctypes.c_void_p)(deleter)(address)"
+    result = run_script(LEGACY_SUBINTERPRETER + f"""
+ref, deleter, address = consumed_tensor(4096)
+error = run(f"import ctypes, threading; done = []; deleter, address = {{deleter}}, {{address}}; "
+            "t = threading.Thread(target=lambda: ({drop}, done.append(sum(range(10))))); "
+            "t.start(); t.join(); print('after', done, flush=True)")
+assert error is None, error
+print("released" if ref() is None else "kept")
+interpreters.destroy(interp)
+""")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["after", "[45]", "released"]
+
+
 @pytest.mark.skipif(bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
                     reason="a free-threaded CPython loads no single-phase module (ours) in any subinterpreter")
 def test_deleter_of_a_subinterpreters_tensor_called_outside_it_leaves_it_behind_and_says_so():
