@@ -1168,3 +1168,92 @@ def test_host_copy_larger_than_any_allocation_raises_memory_error(cudart):
     with pytest.raises(MemoryError):
         DLPackShim(obj).__dlpack__(dl_device=(kDLCPU, 0))
     assert copies_in(cudart.log()) == []
+
+
+# A call of a device copy that can fail, for data of device 2 produced on a stream of device 2 and copied for
+# another stream there, with device 0 current (so each scope switches): which occurrence fails, and whether the
+# memory was allocated, and the copies queued, by then.
+AROUND_A_DEVICE_COPY = {
+    "entering the allocation's scope": ("cuDevicePrimaryCtxRetain", 101, 0, False, False),
+    "leaving the allocation's scope": ("cuCtxPopCurrent", 201, 0, True, False),
+    "ordering the copies after the producer": ("cudaStreamWaitEvent", 400, 0, True, False),
+    "entering the copies' scope": ("cuDevicePrimaryCtxRetain", 101, 1, True, False),
+    "ordering the producer after the copies": ("cudaStreamWaitEvent", 400, 1, True, True),
+}
+
+
+@pytest.mark.parametrize("where", AROUND_A_DEVICE_COPY)
+@pytest.mark.parametrize("kind, free", [(DEVICE, f"cudaFreeAsync({S2})"), (PINNED_HOST, "cudaFreeHost()")],
+                         ids=["device", "pinned"])
+def test_a_device_copy_whose_call_fails_raises_and_frees_what_it_made(cudart, where, kind, free):
+    """Each call of a device copy that fails raises CudaError naming it, and hands back nothing: memory already
+    allocated is freed once, by the call that frees its kind (stream-ordered on the consumer's stream where it was
+    made there), the source is not kept, and the caller's context is as it was."""
+    call, code, after, allocated, copied = AROUND_A_DEVICE_COPY[where]
+    host = np.arange(8, dtype=np.float32)
+    register(cudart, host, kind, device=2)
+    cudart.add_stream(S1, 2)
+    cudart.add_stream(S2, 2)
+    obj = CaiArray(host, stream=S1)
+    DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))  # the runtime loaded, the pooled event made
+    references = sys.getrefcount(obj)
+    cudart.clear_log()
+    cudart.fail(call, code, after=after)
+    with pytest.raises(CudaError, match=f"^{call} failed") as raised:
+        DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
+    assert (raised.value.call, raised.value.code) == (call, code)
+    log = cudart.log()
+    made = [line for line in log if line.startswith("cudaMalloc") and line.endswith("-> ok")]
+    frees = [line for line in log if line.startswith(("cudaFree", "cudaFreeHost", "cudaFreeAsync"))]
+    assert (len(made), frees) == ((1, [free]) if allocated else (0, []))
+    assert bool(copies_in(log)) == copied
+    assert sys.getrefcount(obj) == references and cudart.last_error == 0
+    if call != "cuCtxPopCurrent":  # a failed pop leaves the context stack as the driver left it
+        assert cudart.context_device == 0
+
+
+def test_a_host_copy_whose_datas_device_cannot_be_entered_raises(cudart):
+    """Data of device 2 copied to the host with device 0 current: when device 2's context cannot be had, CudaError
+    names the call, nothing is copied or waited for, and device 0's context stays current."""
+    host = np.arange(8, dtype=np.float32)
+    register(cudart, host, DEVICE, device=2)
+    obj = CaiArray(host, stream=1)
+    np.testing.assert_array_equal(np.from_dlpack(DLPackShim(obj), device="cpu"), host)
+    cudart.clear_log()
+    cudart.fail("cuDevicePrimaryCtxRetain", 2)
+    with pytest.raises(CudaError, match="^cuDevicePrimaryCtxRetain failed: CUDA_ERROR_OUT_OF_MEMORY"):
+        DLPackShim(obj).__dlpack__(dl_device=(kDLCPU, 0))
+    log = cudart.log()
+    assert copies_in(log) == [] and not any("Synchronize" in line for line in log)
+    assert cudart.context_device == 0 and cudart.last_error == 0
+
+
+def test_a_device_copy_whose_stream_cannot_be_asked_about_captures_is_made_by_cudamalloc(cudart):
+    """Stream-ordered allocation is only for a stream known to be outside any capture: when the consumer's stream
+    cannot be asked, the copy is made by cudaMalloc (and freed by cudaFree) all the same, and the failed query's
+    error is not left for the runtime's next caller."""
+    source, obj = device_source(cudart, "contiguous")
+    cudart.add_stream(S1, 0)
+    cudart.add_stream(S2, 0)
+    cudart.clear_log()
+    cudart.fail("cudaStreamGetCaptureInfo", 400)
+    capsule = DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
+    np.testing.assert_array_equal(host_values(read_capsule(capsule), source.dtype), source)
+    assert cudart.last_error == 0
+    assert [line for line in cudart.log() if line.startswith("cudaMalloc")] == [f"cudaMalloc({source.nbytes}) -> ok"]
+    cudart.clear_log()
+    del capsule
+    assert [line for line in cudart.log() if line.startswith("cudaFree")] == ["cudaFree()"]
+
+
+def test_a_device_copy_whose_free_fails_leaves_no_runtime_error_behind(cudart):
+    """A free that fails (at exit the runtime may be unloading) has nobody to report to: its error is cleared, not
+    left for the next framework that asks the runtime's last error."""
+    source, obj = device_source(cudart, "contiguous")
+    cudart.add_stream(S2, 0)
+    capsule = DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
+    cudart.clear_log()
+    cudart.fail("cudaFreeAsync", 700)
+    del capsule
+    assert [line for line in cudart.log() if line.startswith("cudaFree")] == [f"cudaFreeAsync({S2})"]
+    assert cudart.last_error == 0 and cudart.context_device == 0
