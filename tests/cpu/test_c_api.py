@@ -688,3 +688,48 @@ def test_a_refused_export_read_through_the_interface_keeps_nothing_of_the_refusa
     assert (sys.getrefcount(error), sys.getrefcount(producer), live_tracebacks()) == before  # a kept traceback keeps
                                                                                         # __dlpack__'s frame
 
+
+
+# ---- the stream a DLPack producer is asked with, NULL tensors ---------------------------------------------
+
+class NoDeviceProducer:
+    """A DLPack producer with __dlpack__ alone (no __dlpack_device__), which records the stream it is asked with."""
+
+    def __init__(self):
+        self.asked = []
+
+    def __dlpack__(self, stream=None, max_version=None):
+        self.asked.append(stream)
+        raise ValueError("this producer makes no tensor")
+
+
+def test_a_producer_without_dlpack_device_is_asked_with_the_consumers_stream(example):
+    """No __dlpack_device__ (AttributeError) tells nothing of the device: the producer's __dlpack__ is asked with
+    the consumer's stream, and its own error is what the caller sees."""
+    producer = NoDeviceProducer()
+    with pytest.raises(ValueError, match="this producer makes no tensor"):
+        example.managed(producer, 5)
+    assert producer.asked == [5]
+
+
+def test_a_producer_whose_dlpack_device_raises_is_not_asked_for_its_tensor(example):
+    """A __dlpack_device__ that raises anything but AttributeError: its error is raised, __dlpack__ not asked."""
+
+    class BrokenDevice(NoDeviceProducer):
+        def __dlpack_device__(self):
+            raise RuntimeError("the device cannot be named today")
+
+    producer = BrokenDevice()
+    with pytest.raises(RuntimeError, match="the device cannot be named today"):
+        example.managed(producer, 5)
+    assert producer.asked == []
+
+
+def test_view_from_managed_tensor_refuses_a_null_tensor():
+    with pytest.raises(ValueError, match=r"view_from_managed_tensor\(\) was given a NULL tensor"):
+        doors.view_from_managed_tensor(doors.ManagedPointer(), 1)
+
+
+def test_managed_tensor_to_py_object_refuses_a_null_tensor():
+    with pytest.raises(ValueError, match=r"managed_tensor_to_py_object_no_sync\(\) was given a NULL tensor"):
+        doors.object_from_managed(doors.ManagedPointer())
