@@ -356,6 +356,39 @@ def test_deleter_of_a_subinterpreters_tensor_called_outside_it_leaves_it_behind_
         assert "its Python objects are left behind" in result.stderr
 
 
+@pytest.mark.skipif(bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
+                    reason="a free-threaded CPython loads no single-phase module (ours) in any subinterpreter")
+def test_a_subinterpreters_tensor_dropped_on_a_thread_of_the_main_interpreter_is_noted_through_its_hook():
+    """A tensor made in a (legacy) subinterpreter, dropped by a consumer on a thread of the main interpreter that
+    holds the GIL (PYFUNCTYPE): its objects are left behind, and the note goes to the main interpreter's
+    unraisable hook, on every version (the thread's state is known to be attached), leaving no error set."""
+    result = run_script(LEGACY_SUBINTERPRETER + """
+import threading
+read, write = os.pipe()
+error = run(CONSUMED_TENSOR_SOURCE + f"tensor = consumed_tensor(16); os.write({write}, repr(tensor[1:]).encode())")
+assert error is None, error
+deleter, address = eval(os.read(read, 100))
+notes = []
+sys.unraisablehook = lambda unraisable: notes.append((unraisable.exc_type, str(unraisable.exc_value)))
+after = []
+def drop():
+    ctypes.PYFUNCTYPE(None, ctypes.c_void_p)(deleter)(address)
+    after.append(sys.exc_info()[0])                                      # nothing left set on this thread
+thread = threading.Thread(target=drop)
+thread.start()
+thread.join()
+sys.unraisablehook = sys.__unraisablehook__
+for kind, text in notes:
+    print(kind.__name__, "subinterpreter" in text and "left behind" in text)
+print(after)
+error = run("print('released' if tensor[0]() is None else 'kept', flush=True)")
+assert error is None, error
+""".replace("CONSUMED_TENSOR_SOURCE", repr(CONSUMED_TENSOR)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["RuntimeError", "True", "[None]", "kept"]
+    assert "left behind" not in result.stderr
+
+
 # ---- leaks ------------------------------------------------------------------------------------------
 
 FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
