@@ -389,3 +389,25 @@ def test_a_view_for_the_per_thread_stream_whose_scope_cannot_be_left_keeps_no_ev
     refused(3)
     assert cudart.events_alive == alive and cudart.last_error == 0
     del kept
+
+
+@pytest.mark.parametrize("kind", [PINNED_HOST, MANAGED])
+def test_a_streams_context_that_cannot_be_pushed_raises_naming_the_drivers_error(cudart, kind):
+    """Pinned or managed memory produced on a stream of device 3, with device 0 current: the event goes in that
+    stream's context. When the driver refuses to make it current, CudaError names cuCtxPushCurrent and the driver's
+    own error (not a runtime error of the same number); nothing is recorded, and device 0's context stays."""
+    host = np.zeros(4, dtype=np.float32)
+    register(cudart, host, kind, device=1)
+    cudart.add_stream(S1, 3)
+    obj = CaiArray(host, stream=S1)
+    cai2dlpack(obj, stream=S2)
+    references = sys.getrefcount(obj)
+    cudart.clear_log()
+    cudart.fail("cuCtxPushCurrent", 201)
+    with pytest.raises(CudaError, match=r"^cuCtxPushCurrent failed: CUDA_ERROR_INVALID_CONTEXT \(") as raised:
+        cai2dlpack(obj, stream=S2)
+    assert (raised.value.call, raised.value.code, raised.value.name) == (
+        "cuCtxPushCurrent", 201, "CUDA_ERROR_INVALID_CONTEXT")
+    assert not any(line.startswith(("cudaEventRecord", "cudaStreamWaitEvent")) for line in cudart.log())
+    assert cudart.context_device == 0 and cudart.lib.double_context_depth() == 1
+    assert sys.getrefcount(obj) == references and cudart.last_error == 0
