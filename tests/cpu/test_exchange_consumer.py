@@ -2,14 +2,17 @@
 table of the object's type instead of __dlpack__, and the producer's current work stream is ordered before
 the consumer's by us. Driven through torch.Tensor's own table and through tests/exchange_producer, a
 producer whose table the tests control."""
+import ctypes
 import gc
+import sys
+import weakref
 
 import numpy as np
 import pytest
 
 from cai_dlpack import DLPackShim, UnsupportedArrayError, dlpack2cai, options
-from support import c_example
-from support.cai_objects import register
+from support import c_example, doors
+from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE
 from support.optional import needs_torch, torch
 
@@ -282,3 +285,98 @@ def test_a_borrowed_tensor_the_checks_refuse_is_refused_in_their_words(producer,
     with pytest.raises(BufferError, match=r"DLPack device type 7 \(kDLVulkan\) is neither CUDA nor host memory"):
         getattr(example, door)(tensor, -1)
     assert producer.counts()["dlpack"] == 0
+
+
+def test_a_borrowed_tensor_the_checks_refuse_of_a_producer_the_table_does_not_suit_keeps_nothing(producer, example):
+    """The table lends a tensor the checks turn down (Vulkan memory) and the producer says the table does not suit
+    it (requires_grad): fill_tensor reads the array interface instead, and the checks' refusal, set aside while the
+    producer was asked, is dropped: not one reference kept per call."""
+    x = np.arange(4.0)
+
+    class Tracked(producer.Tensor):
+        requires_grad = True
+
+        @property
+        def __array_interface__(self):
+            return dict(x.__array_interface__)
+
+    tensor = Tracked(x, device_type=7)
+
+    def fill(times):
+        for _ in range(times):
+            fields = example.fill(tensor, -1)
+            assert (fields["device"], fields["shape"]) == ((KDLCPU, 0), (4,))
+
+    fill(3)
+    gc.collect()
+    before = sys.getrefcount(BufferError), len(gc.get_objects())
+    fill(100)
+    gc.collect()
+    assert (sys.getrefcount(BufferError), len(gc.get_objects())) == before
+    assert producer.counts()["dltensor"] >= 103
+
+
+def test_an_unusable_table_address_sends_the_reader_to_dlpack():
+    """A DLPack 1.2 table address that is no address (an int past the pointer's range): the table is not used,
+    nothing of the failed conversion is left set, and __dlpack__ gives the tensor."""
+    x = np.arange(3.0)
+
+    class FarAddress:
+        __c_dlpack_exchange_api__ = 2**64
+        dlpack_calls = 0
+
+        def __dlpack_device__(self):
+            return (KDLCPU, 0)
+
+        def __dlpack__(self, **kwargs):
+            FarAddress.dlpack_calls += 1
+            return x.__dlpack__(**kwargs)
+
+    view = dlpack2cai(FarAddress())
+    assert address(view) == x.ctypes.data and FarAddress.dlpack_calls == 1
+    np.testing.assert_array_equal(np.asarray(view), x)
+
+
+def new_capsule(pointer, name):
+    """A PyCapsule of pointer named name (the way a producer module publishes its table)."""
+    make = ctypes.pythonapi.PyCapsule_New
+    make.restype, make.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return make(pointer, name, None)
+
+
+def test_a_work_stream_call_that_fails_without_an_exception_is_named(cudart):
+    """A table's current_work_stream that returns failure and sets no exception: dlpack2cai raises RuntimeError
+    naming the producer's type and the call (never a failure without an exception), and the tensor the table gave
+    is deleted."""
+    host = np.zeros(8, dtype=np.float32)
+    register(cudart, host, DEVICE, device=1)
+    lent = CaiArray(host)
+    gone = weakref.ref(lent)
+    handed = []
+
+    def from_object(obj, out):
+        owned = doors.managed_from_object(DLPackShim(lent))
+        handed.append(owned)
+        out[0] = owned.pointer
+        return 0
+
+    def work_stream(device_type, device_id, out):
+        return -1  # and no exception
+
+    callbacks = doors.FromObject(from_object), doors.WorkStream(work_stream)
+    table = doors.ExchangeApi(major=1, minor=3, managed_tensor_from_py_object_no_sync=callbacks[0],
+                              current_work_stream=callbacks[1])
+
+    class SilentTable:
+        __dlpack_c_exchange_api__ = new_capsule(ctypes.addressof(table), b"dlpack_exchange_api")
+
+        def __dlpack__(self, **kwargs):
+            raise AssertionError("never reached: the table gave the tensor")
+
+    with pytest.raises(RuntimeError, match="SilentTable's DLPack exchange API current_work_stream failed without "
+                                           "setting an exception"):
+        dlpack2cai(SilentTable(), stream=S2)
+    assert len(handed) == 1
+    del lent, handed
+    gc.collect()
+    assert gone() is None  # the table's tensor was deleted: it let its producer go
