@@ -2,6 +2,7 @@
 wrapped object's interface once and asks the runtime where its pointer lives once. What __dlpack_device__
 read is used by the next __dlpack__ of the same shim on the same thread only; every other call reads
 afresh, so a wrapped object that changes between conversions is seen as it is now."""
+import sys
 import threading
 
 import numpy as np
@@ -180,3 +181,42 @@ def test_an_object_with_neither_interface_is_refused_by_either_call():
     for call in (shim.__dlpack_device__, shim.__dlpack__):
         with pytest.raises(TypeError, match="neither __cuda_array_interface__ nor __array_interface__"):
             call()
+
+
+class LateInterface:
+    """An object whose __array_interface__ (over a bytearray it holds) appears from its second lookup on: the
+    shim's device lookup finds neither interface, and the reader, asked next, finds one."""
+
+    def __init__(self):
+        self.lookups = 0
+        self.buffer = bytearray(4)
+
+    def __getattr__(self, name):
+        if name != "__array_interface__":
+            raise AttributeError(name)
+        self.lookups += 1
+        if self.lookups < 2:
+            raise AttributeError(name)
+        return {"shape": (4,), "typestr": "|u1", "data": self.buffer, "version": 3}
+
+
+def test_an_interface_that_appears_while_the_device_is_asked_is_read_and_let_go():
+    """The reader decides the device of an object whose interface the lookup did not find, and keeps nothing of
+    what it read: the buffer it exported is given back (the bytearray can grow again, its count is as before)."""
+    obj = LateInterface()
+    buffer = obj.buffer
+    before = sys.getrefcount(buffer)
+    assert DLPackShim(obj).__dlpack_device__() == (1, 0)
+    assert obj.lookups == 2
+    after = sys.getrefcount(buffer)
+    assert after == before
+    buffer.extend(b"more")  # BufferError while an export is held
+    assert len(buffer) == 8
+
+
+def test_a_shims_repr_names_the_wrapped_object_and_reads_nothing(cudart, device_arrays):
+    wrapped = CountingCai(device_arrays[0])
+    shim = DLPackShim(wrapped)
+    assert repr(shim) == f"cai_dlpack.DLPackShim({wrapped!r})"
+    assert repr(DLPackShim(np.arange(2.0))) == "cai_dlpack.DLPackShim(array([0., 1.]))"
+    assert wrapped.reads == 0
