@@ -797,6 +797,21 @@ def test_a_release_whose_event_record_is_refused_records_a_new_event_and_still_w
     assert watch() is None
 
 
+def test_a_release_whose_streams_context_the_driver_will_not_name_is_made_at_once(late):
+    """A release on a stream whose context cuStreamGetCtx refuses to name (a stream destroyed meanwhile): no event
+    can be recorded in it, so the owner is released at once, the runtime asked nothing more, nothing kept pending
+    and no runtime error left."""
+    pool = Pool(late)
+    watch, drop = shim_tensor_with_work_queued(late, pool)
+    late.clear_log()
+    late.fail("cuStreamGetCtx", 400)
+    drop()
+    gc.collect()
+    assert watch() is None and _core._pending_releases()["pending"] == 0
+    assert [call.split("(")[0] for call in late.log()] == ["cuStreamGetCtx"]  # no event recorded, none asked after
+    assert late.last_error == 0
+
+
 def test_two_releases_pending_at_once_record_two_kept_events():
     """Two releases wait, then complete: both events are kept. Two more releases pending at once take one kept
     event each, never the same one twice (one event would mark two points of the stream, and the older release
