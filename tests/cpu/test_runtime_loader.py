@@ -261,3 +261,66 @@ def test_a_search_that_another_load_overtook_answers_with_that_runtime(tmp_path,
     result = subprocess.run([sys.executable, "-c", INFO_PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"CAI_DLPACK_CUDART {os.path.realpath(os.environ['CAI_DLPACK_CUDART'])}"
+
+
+def test_a_runtime_that_cannot_count_its_devices_reports_none(cudart):
+    """cuda_runtime_info on a machine with no driver or no GPU: cudaGetDeviceCount fails, which is an answer (no
+    device), not an error; the failure is not left as the runtime's last error."""
+    from cai_dlpack import cuda_runtime_info
+
+    assert cuda_runtime_info()["device_count"] == 4  # the double's
+    cudart.fail("cudaGetDeviceCount", 100)  # cudaErrorNoDevice
+    info = cuda_runtime_info()
+    assert info["device_count"] == 0 and info["version"] == 13000
+    assert cudart.last_error == 0
+
+
+# Whether the library at a path is still mapped in this process (dlopen with RTLD_NOLOAD loads nothing).
+STILL_LOADED = textwrap.dedent("""
+    import ctypes, os
+    def still_loaded(path):
+        try:
+            ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+        except OSError:
+            return False
+        return True
+""")
+
+
+def test_a_runtime_lacking_its_capture_query_is_refused_and_unloaded(tmp_path):
+    """A CUDA 13 runtime without cudaStreamGetCaptureInfo (which every stream ordering asks) is refused at load,
+    naming what it lacks, and closed again: the process keeps no library it will not use."""
+    from support.cuda_double import SOURCE
+
+    path = tmp_path / "libcudart_without_capture_query.so"
+    subprocess.run([compiler(), "-shared", "-fPIC", "-O1", "-pthread", "-DcudaStreamGetCaptureInfo=capture_query_renamed",
+                    SOURCE, "-o", str(path)], check=True)
+    out = run_probe(probe=STILL_LOADED + PROBE + f"print('STILL LOADED', still_loaded({str(path)!r}))\n",
+                    CAI_DLPACK_CUDART=str(path))
+    assert out == (f"ERROR RuntimeError CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded: {path} (lacks "
+                   "cudaStreamGetCaptureInfo)\nSTILL LOADED False"), out
+
+
+def test_a_runtime_found_after_another_load_won_is_closed_again(tmp_path):
+    """The wheel search finds a runtime of its own after the import of 'nvidia' loaded another (as a search on
+    another thread may finish first): the one loaded first is the one in use, and the one found later is closed."""
+    import shutil
+
+    site = tmp_path / "site"
+    wheel_copy = site / "nvidia" / "cu13" / "lib" / "libcudart.so.13"
+    wheel_copy.parent.mkdir(parents=True)
+    shutil.copy(os.environ["CAI_DLPACK_CUDART"], wheel_copy)
+    (site / "nvidia" / "__init__.py").write_text(textwrap.dedent(f"""
+        import os, cai_dlpack
+        os.environ["CAI_DLPACK_CUDART"] = {os.environ['CAI_DLPACK_CUDART']!r}
+        cai_dlpack.cuda_runtime_info()
+        del os.environ["CAI_DLPACK_CUDART"]
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "CAI_DLPACK_CUDART"}
+    env.update(occupy_sonames(tmp_path / "lib"))
+    first_on_path(env, site)
+    probe = STILL_LOADED + INFO_PROBE + f"print('STILL LOADED', still_loaded({str(wheel_copy)!r}))\n"
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"CAI_DLPACK_CUDART {os.path.realpath(os.environ['CAI_DLPACK_CUDART'])}", "STILL LOADED False"]
