@@ -411,3 +411,44 @@ def test_a_streams_context_that_cannot_be_pushed_raises_naming_the_drivers_error
     assert not any(line.startswith(("cudaEventRecord", "cudaStreamWaitEvent")) for line in cudart.log())
     assert cudart.context_device == 0 and cudart.lib.double_context_depth() == 1
     assert sys.getrefcount(obj) == references and cudart.last_error == 0
+
+
+SET_DEVICE_FAILS = textwrap.dedent("""
+    import numpy as np, cai_dlpack, sys
+    sys.path.insert(0, {tests!r})
+    from support.cuda_double import CudaDouble, DEVICE
+    from support.cai_objects import CaiArray, register
+    double = CudaDouble({path!r})
+    double.reset()
+    host = np.zeros(4, dtype=np.float32)
+    register(double, host, DEVICE, device=1)
+    double.add_stream(0x5000, 1)
+    double.current_device = 2
+    cai_dlpack.cai2dlpack(CaiArray(host, stream=0x5000), stream=0x6000)  # the runtime loaded
+    double.fail("cudaSetDevice", 101, after={after})
+    double.clear_log()
+    try:
+        cai_dlpack.cai2dlpack(CaiArray(host, stream=0x5000), stream=0x6000)
+    except cai_dlpack.CudaError as error:
+        print(error.call, error.code, error.name)
+        print(error)
+    print("ordered", any(line.startswith("cudaStreamWaitEvent") for line in double.log()))
+    print("current", double.current_device, "last error", double.last_error)
+""")
+
+
+@pytest.mark.parametrize("after, ordered, left_on", [(0, False, 2), (1, True, 1)], ids=["entering", "putting back"])
+def test_without_driver_entry_points_a_failed_set_device_raises_the_runtimes_error(after, ordered, left_on):
+    """With the device switched by number (no driver calls), a cudaSetDevice that fails, to the data's device or
+    back to the caller's, raises CudaError naming it with the runtime's own error name and text, and leaves no
+    runtime error pending; a switch that failed left the device as it was."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.environ["CAI_DLPACK_CUDART"]
+    env = dict(os.environ, CAI_DLPACK_CUDART=path, CUDART_DOUBLE_ENTRY_POINTS="0")
+    script = SET_DEVICE_FAILS.format(tests=tests, path=path, after=after)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "cudaSetDevice 101 cudaErrorInvalidDevice",
+        "cudaSetDevice failed: cudaErrorInvalidDevice (invalid device ordinal)",
+        f"ordered {ordered}", f"current {left_on} last error 0"]
