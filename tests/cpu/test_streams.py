@@ -698,3 +698,36 @@ def test_the_first_thread_to_name_its_per_thread_stream_is_known_by_it_ever_afte
         print(*[line.split(", ")[-1].rstrip(")") for line in double.log() if line.startswith("cudaEventRecord(")])
     """)
     assert out and set(out) == {"2"}, out
+
+
+PINNED_VIEW_WITHOUT_A_RUNTIME = """
+import os, sys
+import numpy as np
+sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
+import cai_dlpack
+from support.dlpack_ctypes import MadeTensor
+host = np.zeros(3, dtype=np.float32)
+made = MadeTensor(data=host.ctypes.data, device=(3, 0), shape=(3,))  # pinned memory
+try:
+    cai_dlpack.dlpack2cai(made.capsule, stream={stream})
+except Exception as error:
+    print("ERROR", type(error).__name__, error)
+else:
+    print("MADE")
+print("deleted", made.deleted)
+"""
+
+
+@pytest.mark.parametrize("stream", [1, 2])
+def test_a_pinned_view_for_a_default_stream_raises_when_the_runtime_cannot_load(stream):
+    """A view of pinned memory for the legacy or per-thread stream is made for the caller's current device, which
+    only the runtime can name: where no runtime loads, the view is refused with the loader's error and the tensor
+    handed back to its producer."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), CAI_DLPACK_CUDART="/nowhere/libcudart.so.99")
+    result = subprocess.run([sys.executable, "-c", PINNED_VIEW_WITHOUT_A_RUNTIME.format(stream=stream)], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("ERROR RuntimeError CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded: "
+                               "/nowhere/libcudart.so.99"), lines
+    assert lines[1:] == ["deleted 1"]
