@@ -6,6 +6,9 @@ shape needs; handing it back (managed_tensor_to_py_object_no_sync) gives a view 
 A bounded run in CI; CAI_DLPACK_FUZZ_EXAMPLES=N for a long one."""
 import ctypes
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import assume, example, given
@@ -261,3 +264,58 @@ def test_a_failed_device_allocation_is_refused_naming_its_call(cudart, device, c
     with pytest.raises(doors.AllocationRefused) as refused:
         doors.allocate((2, 32, 1), [4], device)
     assert f": {call} failed: cudaErrorUnknown" in refused.value.message and refused.value.kind == "RuntimeError"
+
+
+# A calloc that refuses, once, the one block of the size the parent names (through ctypes): preloaded in a child,
+# it fails the allocator's own bookkeeping block and nothing else.
+REFUSING_CALLOC = """
+#include <stddef.h>
+extern void *__libc_calloc(size_t count, size_t size);
+size_t refused_calloc_size;
+void *calloc(size_t count, size_t size)
+{
+    if (refused_calloc_size != 0 && count == 1 && size == refused_calloc_size) {
+        refused_calloc_size = 0;
+        return NULL;
+    }
+    return __libc_calloc(count, size);
+}
+"""
+
+ALLOCATE_WITHOUT_HOST_MEMORY = """
+import ctypes, os, sys
+sys.path[:0] = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
+from support import doors
+from support.dlpack_ctypes import DLManagedTensorVersioned
+# The tensor's block: the managed tensor, then 7 extents and 7 strides.
+ctypes.c_size_t.in_dll(ctypes.CDLL(None), "refused_calloc_size").value = ctypes.sizeof(DLManagedTensorVersioned) + 112
+try:
+    doors.allocate((2, 32, 1), [1] * 7, (1, 0))
+except doors.AllocationRefused as refused:
+    print("REFUSED", refused.kind, refused.message)
+except BaseException as error:
+    print("ERROR", type(error).__name__, error)
+else:
+    print("MADE")
+print("made next", doors.allocate((2, 32, 1), [1] * 7, (1, 0)).fields()["shape"])
+"""
+
+
+def test_a_tensor_whose_bookkeeping_block_cannot_be_had_is_refused_as_out_of_host_memory(tmp_path):
+    """The allocator's first allocation is the block holding the managed tensor and its shape and strides; when
+    the host has no memory for it, the allocator refuses through SetError with MemoryError (returning -1, no tensor
+    handed out), and the next call is made as usual."""
+    if "asan" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("AddressSanitizer's calloc comes first: the refusing one would never be called")
+    from support.cuda_double import compiler
+
+    (tmp_path / "refusing_calloc.c").write_text(REFUSING_CALLOC)
+    library = tmp_path / "librefusing_calloc.so"
+    subprocess.run([compiler(), "-shared", "-fPIC", "-O1", str(tmp_path / "refusing_calloc.c"), "-o", str(library)],
+                   check=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), LD_PRELOAD=str(library))
+    result = subprocess.run([sys.executable, "-c", ALLOCATE_WITHOUT_HOST_MEMORY], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["REFUSED MemoryError cai_dlpack allocator: out of host memory",
+                                          "made next (1, 1, 1, 1, 1, 1, 1)"]
