@@ -224,3 +224,22 @@ def test_numpy_ndarray_is_read_from_its_fields_from_the_first_conversion_of_a_pr
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).stdout.split()
     assert out == ["1", "1"]
+
+
+class CustomAttributes(np.ndarray):
+    """An ndarray subclass whose attribute access is not the generic one (it has __getattr__): its type still
+    implements __array_interface__ in C, so it is read through its buffer as any subclass."""
+
+    def __getattr__(self, name):
+        raise AttributeError(name)
+
+
+def test_a_subclass_with_its_own_attribute_access_is_read_through_its_buffer():
+    array = np.arange(6, dtype=np.int32).view(CustomAttributes)
+    before = sys.getrefcount(array)
+    capsule = cai2dlpack(array)
+    held = sys.getrefcount(array)
+    assert held == before + 2  # the capsule's owner and the buffer export it holds
+    assert read_capsule(capsule)["data"] == array.ctypes.data
+    del capsule
+    assert sys.getrefcount(array) == before
