@@ -5,6 +5,7 @@ import sys
 import numpy as np
 import pytest
 
+import cai_dlpack
 from cai_dlpack import DLPackShim, DLPackView, UnsupportedArrayError, cai2dlpack, dlpack2cai
 from support.cuda_double import DEVICE
 from support.optional import tvm_ffi
@@ -590,3 +591,37 @@ def test_keys_that_are_equal_strings_but_not_the_interned_names_are_read():
     built = {"".join(list(key)): value for key, value in literal.items()}
     assert all(a == b and a is not b for a, b in zip(literal, built))
     assert read_capsule(cai2dlpack(HostInterface(built))) == read_capsule(cai2dlpack(HostInterface(literal)))
+
+
+def test_a_producer_device_that_is_no_device_pair_is_left_to_its_dlpack(cudart):
+    """With a runtime loaded, the legacy stream's capture check asks the producer's device: an answer that is no
+    (type, id) pair of ints asks nothing of the runtime, and __dlpack__ gives the tensor (its reader names a
+    malformed device in its own words)."""
+    x = np.arange(3.0)
+    cai_dlpack.cuda_runtime_info()  # the runtime is loaded
+
+    class NamedDevice:
+        def __dlpack_device__(self):
+            return "cpu"
+
+        def __dlpack__(self, **kwargs):
+            return x.__dlpack__(**kwargs)
+
+    view = dlpack2cai(NamedDevice())
+    assert view.__array_interface__["data"][0] == x.ctypes.data
+    assert np.asarray(view).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_view_whose_producer_changed_its_tensors_type_says_so():
+    """A producer that changes its tensor's type after handing it out (DLPack forbids it) from one a typestr cannot
+    name to one it can: the view's interface, which names such a type in its descr, raises SystemError naming the
+    broken promise instead of describing memory it no longer knows."""
+    data = np.zeros(4, dtype=np.uint16)
+    made = MadeTensor(data=data.ctypes.data, dtype=(kDLBfloat, 16, 1), shape=(4,))
+    view = dlpack2cai(made.capsule)
+    assert view.__array_interface__["descr"] == [("bfloat16", "<V2")]
+    made.managed.dl_tensor.dtype.code, made.managed.dl_tensor.dtype.bits = kDLFloat, 32
+    with pytest.raises(SystemError, match="a descr asked of a type a typestr names"):
+        view.__array_interface__
+    del view
+    assert made.deleted == 1
