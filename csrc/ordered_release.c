@@ -342,11 +342,23 @@ static void cdl_push_oldest(cdl_pending *entry)
         cdl_pending_tail = entry;
 }
 
+/* How many releases the calling thread is making: a release may drop a tensor whose own release is ordered (a
+ * view's tensor, exported for the same stream), which then queues without waiting at the bound, or each wait
+ * would finish an older release that queues one more, down the whole list (a host wait each, as deep a recursion). */
+static _Thread_local int cdl_releasing;
+
+static void cdl_release_entry(cdl_pending *entry)
+{
+    cdl_releasing++;
+    entry->release(entry->argument);
+    cdl_releasing--;
+    free(entry);
+}
+
 static void cdl_finish(const cdl_cudart *rt, cdl_pending *entry)
 {
     cdl_give_event(rt, entry->key, entry->event);
-    entry->release(entry->argument);
-    free(entry);
+    cdl_release_entry(entry);
 }
 
 /* Run by the interpreter soon after a release was queued and when a stream reaches a release's event
@@ -406,8 +418,9 @@ void cdl_release_after(const cdl_release_point *point, cdl_release_fn release, v
         cdl_pending_head = entry;
     cdl_pending_tail = entry;
     /* Past the bound the oldest release with an event waits for it: memory held back stays bounded (but for
-     * releases whose stream captures: they have nothing to wait for yet). */
-    if (++cdl_pending_count > CDL_PENDING_LIMIT) {
+     * releases whose stream captures: they have nothing to wait for yet, and those a release makes, one past the
+     * bound for each the caller's drop finished). */
+    if (++cdl_pending_count > CDL_PENDING_LIMIT && cdl_releasing == 0) {
         for (oldest = cdl_pending_head; oldest != NULL && !oldest->recorded; oldest = oldest->next)
             before = oldest;
         if (oldest != NULL) {
@@ -538,10 +551,8 @@ void cdl_release_completed(void)
         cdl_pending *next = done->next;
         if (done->recorded)
             cdl_finish(rt, done);
-        else {
-            done->release(done->argument);
-            free(done);
-        }
+        else
+            cdl_release_entry(done);
         done = next;
     }
 }
