@@ -243,3 +243,14 @@ def test_a_subclass_with_its_own_attribute_access_is_read_through_its_buffer():
     assert read_capsule(capsule)["data"] == array.ctypes.data
     del capsule
     assert sys.getrefcount(array) == before
+
+
+@pytest.mark.parametrize("step", [2**62, -(2**62)])
+def test_a_buffer_reaching_outside_the_address_space_gets_the_interface_error(step):
+    """A subclass whose buffer describes items past either end of the address space (strides NumPy's as_strided
+    allows): the reader refuses the buffer, and the interface, read instead, says why in its own words."""
+    array = np.lib.stride_tricks.as_strided(np.zeros(4), shape=(5,), strides=(step,)).view(Subclass)
+    for call in (lambda: cai2dlpack(array), lambda: DLPackShim(array).__dlpack__()):
+        with pytest.raises(ValueError, match=re.escape("__array_interface__ 'shape' (5,) with these 'strides' "
+                                                       "reaches outside the address space")):
+            call()

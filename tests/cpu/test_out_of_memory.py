@@ -13,6 +13,7 @@ from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai
 from support import c_example
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE
+from support.dlpack_ctypes import read_capsule
 
 _testcapi = pytest.importorskip("_testcapi", reason="this CPython build has no _testcapi")
 if not hasattr(_testcapi, "set_nomemory"):
@@ -168,3 +169,55 @@ def test_module_init_under_allocation_failure():
     outcomes = [int(word) for word in result.stdout.split()]
     # init allocates: each of its allocations failed in turn raised MemoryError, then a load worked
     assert len(outcomes) > 20 and set(outcomes[:-1]) == {1} and outcomes[-1] == 0, (outcomes[-5:], result.stderr)
+
+
+class Subclass(np.ndarray):
+    """An ndarray subclass: read through its buffer export (an exact ndarray is read from its fields)."""
+
+
+def test_the_buffer_reader_under_allocation_failure_keeps_nothing():
+    """An ndarray subclass, read through its buffer, with each allocation failing in turn (the reader's own, the
+    export's, the capsule's that holds it): each call succeeds or raises MemoryError, and every failure gives the
+    export back (the array's count is as before) and frees the memory that held it (no block is left allocated
+    by a second pass over the same failures)."""
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2].view(Subclass)  # strided
+    before = sys.getrefcount(array)
+    convert = lambda: cai2dlpack(array, max_version=(1, 0))  # noqa: E731
+    assert fail_each_allocation(convert) > 0
+    gc.collect()
+    blocks = sys.getallocatedblocks()
+    assert fail_each_allocation(convert) > 0
+    gc.collect()
+    assert sys.getallocatedblocks() - blocks == 1  # the int `blocks`, made once it was counted
+    assert sys.getrefcount(array) == before
+    assert read_capsule(cai2dlpack(array))["shape"] == (3, 2)
+
+
+def test_a_listed_strides_under_allocation_failure_raises_memory_error():
+    """'strides' given as a list is taken as a tuple before the type is read: when that allocation fails, the call
+    raises MemoryError and keeps nothing. 24 dimensions: the tuple is past CPython's tuple free lists, so allocated."""
+    host = np.arange(12, dtype=np.float32).reshape((3, 4) + (1,) * 22)
+    iface = dict(host.__array_interface__, strides=list(host.strides))
+    holder = Holder(iface)
+    before = sys.getrefcount(holder), sys.getrefcount(iface["strides"])
+    assert fail_each_allocation(lambda: cai2dlpack(holder)) > 0
+    gc.collect()
+    assert (sys.getrefcount(holder), sys.getrefcount(iface["strides"])) == before
+    assert np.asarray(dlpack2cai(cai2dlpack(holder))).tolist() == host.tolist()
+
+
+def test_a_device_copy_under_allocation_failure_frees_what_it_made(cudart):
+    """A copy on the device (copy=True), with each allocation failing in turn, the tensor's and its capsule's after
+    the copy was made included: each call succeeds or raises MemoryError, and every device allocation it made is
+    freed, none left behind; a failed call's copy at once (cudaFree: no consumer's stream to wait for)."""
+    host = np.arange(24, dtype=np.float32).reshape(4, 6)
+    register(cudart, host, DEVICE, device=1)
+    device = CaiArray(host[:, ::2])
+    cudart.clear_log()
+    assert fail_each_allocation(lambda: DLPackShim(device).__dlpack__(copy=True, max_version=(1, 0))) > 0
+    gc.collect()
+    log = cudart.log()
+    made = [line for line in log if line.startswith("cudaMalloc")]
+    freed = [line for line in log if line.startswith("cudaFree")]
+    assert made and len(freed) == len(made), (made, freed)
+    assert "cudaFree()" in freed  # the copy of a call that failed after making it: freed at once
