@@ -130,6 +130,16 @@ def test_a_dtype_whose_name_fails_raises_its_own_error(requested, message):
         DLPackShim(bits, dtype=requested)
 
 
+def test_a_name_that_cannot_be_encoded_names_no_type():
+    """A dtype name with a lone surrogate (no UTF-8 spelling) matches no row: refused as any unknown name, with
+    the ValueError naming it, and nothing of the failed encoding left behind."""
+    for request in (lambda: cai2dlpack(np.zeros(3, np.uint8), dtype="int8\ud800"),
+                    lambda: DLPackShim(np.zeros(3, np.uint8), dtype="\ud800")):
+        with pytest.raises(ValueError, match=r"dtype='(int8)?\\ud800' names no type") as raised:
+            request()
+        assert raised.value.__context__ is None
+
+
 def test_mismatched_sizes_and_unknown_names_are_refused_by_name():
     with pytest.raises(ValueError, match=r"dtype=bfloat16 has 2-byte items but __array_interface__ 'typestr' '<f4' has 4"):
         cai2dlpack(np.zeros(3, np.float32), dtype="bfloat16")
