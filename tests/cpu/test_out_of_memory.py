@@ -99,11 +99,11 @@ def test_exchange_dltensor_under_allocation_failure_fails_with_memory_error():
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="each load is made in a fork")
 def test_module_init_under_allocation_failure():
     """Loading the extension with its n-th allocation failing, for n = 0, 1, ... until a load succeeds: each
-    failed load raises MemoryError (nothing else, no crash), and the module that finally loads works in every
+    failed load raises MemoryError (nothing else, no crash) and leaves no module object alive, and the module that finally loads works in every
     function. Each load is made in a fork of a process that never loaded the module, so no load sees what an
     earlier one left in the module's static state (nor does this session's module see any of them)."""
     script = textwrap.dedent("""
-        import glob, importlib.machinery, importlib.util, os, sys, traceback, warnings
+        import gc, glob, importlib.machinery, importlib.util, os, sys, traceback, types, warnings
         import numpy as np
         import _testcapi
         warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a process that may have threads: the child
@@ -140,6 +140,11 @@ def test_module_init_under_allocation_failure():
                 core = importlib.util.module_from_spec(spec)
                 loader.exec_module(core)
             except MemoryError:
+                # nothing of the failed load is kept: no module object is left alive
+                gc.collect()
+                if any(isinstance(o, types.ModuleType) and o.__name__ == "cai_dlpack._core" for o in gc.get_objects()):
+                    print("a module object outlived its failed load", file=sys.stderr)
+                    return OTHER_ERROR
                 return MEMORY_ERROR
             except BaseException:
                 traceback.print_exc()
