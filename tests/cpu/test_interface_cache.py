@@ -171,16 +171,25 @@ def test_lists_changed_in_place_are_seen(strides):
 
 
 @kept_only
-def test_a_property_that_builds_its_dict_each_time_is_never_kept():
+@pytest.mark.parametrize("asked", [{}, {"max_version": (1, 0)}], ids=["no keywords", "keywords"])
+@pytest.mark.parametrize("keys", ["NumPy's", "typestr only", "a key of its own"])
+def test_a_property_that_builds_its_dict_each_time_is_never_kept(keys, asked):
+    """A dict only the conversion holds is about to go: never kept, whether or not its type is named by a descr
+    (which alone keeps a dict out), read by the fused reader or (a key it does not know) by the general one."""
     x = np.arange(5.0)
 
     class Fresh:
         @property
         def __array_interface__(self):
-            return dict(x.__array_interface__)
+            made = dict(x.__array_interface__)
+            if keys != "NumPy's":
+                del made["descr"]
+            if keys == "a key of its own":
+                made["producer"] = "ours"
+            return made
 
     for _ in range(3):
-        assert converted(Fresh())[0] == (0, 0)
+        assert converted(Fresh(), **asked)[0] == (0, 0)
 
 
 @kept_only
