@@ -206,7 +206,8 @@ static PyObject *exchange_work_stream(PyObject *self, PyObject *args)
 /* status_of(door, obj, stream) -> (what the call returned, the exception it set or None, whether it handed out a
  * tensor): the exception is taken, not raised, so that a test can hold each door to the convention (0 and no
  * exception, or -1 and one). door: "to_managed_tensor", "fill_tensor", or an exchange call of obj's type,
- * "managed_tensor_from_py_object_no_sync" or "dltensor_from_py_object_no_sync". */
+ * "managed_tensor_from_py_object_no_sync" or "dltensor_from_py_object_no_sync", or
+ * "managed_tensor_to_py_object_no_sync of NULL" (a NULL tensor handed back to obj's type). */
 static PyObject *status_of(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -230,6 +231,11 @@ static PyObject *status_of(PyObject *self, PyObject *args)
         status = exchange->managed_tensor_from_py_object_no_sync(obj, &m);
     else if (strcmp(door, "dltensor_from_py_object_no_sync") == 0)
         status = exchange->dltensor_from_py_object_no_sync(obj, &t);
+    else if (strcmp(door, "managed_tensor_to_py_object_no_sync of NULL") == 0) {
+        void *made = NULL;
+        status = exchange->managed_tensor_to_py_object_no_sync(NULL, &made);
+        Py_XDECREF((PyObject *)made);
+    }
     else
         return PyErr_Format(PyExc_ValueError, "no door %s", door);
 #if PY_VERSION_HEX >= 0x030C0000

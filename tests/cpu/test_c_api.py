@@ -733,3 +733,10 @@ def test_view_from_managed_tensor_refuses_a_null_tensor():
 def test_managed_tensor_to_py_object_refuses_a_null_tensor():
     with pytest.raises(ValueError, match=r"managed_tensor_to_py_object_no_sync\(\) was given a NULL tensor"):
         doors.object_from_managed(doors.ManagedPointer())
+
+
+def test_a_null_tensor_handed_back_is_refused_by_the_status_as_well(example):
+    """A C consumer reads the status first: -1 with the ValueError set, and no object made."""
+    status, raised, _ = example.status_of("managed_tensor_to_py_object_no_sync of NULL", DLPackShim(np.zeros(1)), 0)
+    assert status == -1
+    assert isinstance(raised, ValueError) and "was given a NULL tensor" in str(raised)
