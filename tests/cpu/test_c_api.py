@@ -168,6 +168,18 @@ def test_every_door_returns_0_or_minus_1_with_an_exception(example, door, obj, s
         assert status == -1 and isinstance(raised, error) and not handed_out, (status, raised)
 
 
+def test_to_managed_tensor_for_the_producers_own_stream_hands_out_the_tensor_and_orders_nothing(example, cudart):
+    """Device memory asked for on the stream its producer named: the tensor with status 0 and no exception, and
+    no wait made between the streams (they are one)."""
+    host = np.zeros(4, dtype=np.float32)
+    register(cudart, host, DEVICE)
+    cudart.add_stream(0x5000, 0)
+    cudart.clear_log()
+    status, raised, handed_out = example.status_of("to_managed_tensor", CaiArray(host, stream=0x5000), 0x5000)
+    assert (status, raised, handed_out) == (0, None, True)
+    assert not any(call.startswith("cudaStreamWaitEvent") for call in cudart.log())
+
+
 @needs_torch
 def test_reference_counts_are_stable(example):
     x = np.arange(10.0)
