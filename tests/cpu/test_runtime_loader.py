@@ -8,6 +8,7 @@ import numpy as np  # noqa: F401  (the child imports it too)
 import pytest
 
 from support.cuda_double import compiler
+from support.fresh_process import run_with_double
 
 PROBE = textwrap.dedent("""
     import numpy as np, cai_dlpack
@@ -324,3 +325,32 @@ def test_a_runtime_found_after_another_load_won_is_closed_again(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         f"CAI_DLPACK_CUDART {os.path.realpath(os.environ['CAI_DLPACK_CUDART'])}", "STILL LOADED False"]
+
+
+# A device copy on a stream of its own, freed at once: the names of the calls that made and freed it.
+ALLOCATION_CALLS_OF_A_DEVICE_COPY = """
+    from cai_dlpack import DLPackShim
+    host = np.arange(8, dtype=np.float32)
+    register(double, host, DEVICE)
+    double.add_stream(0x6000, 0)
+    capsule = DLPackShim(CaiArray(host, stream=0x6000)).__dlpack__(stream=0x6000, copy=True, max_version=(1, 0))
+    del capsule
+    print(*[line.split("(")[0] for line in double.log() if line.startswith(("cudaMalloc", "cudaFree"))])
+"""
+
+
+@pytest.mark.parametrize("lacks", [None, "cudaFreeAsync"])
+def test_device_copies_are_stream_ordered_only_with_a_runtime_that_has_both_async_calls(tmp_path, monkeypatch,
+                                                                                        lacks):
+    """A runtime with cudaMallocAsync and cudaFreeAsync (CUDA 11.2 on) has a device copy allocated on the
+    consumer's stream and freed there; one lacking either uses neither: the copy is made by cudaMalloc and freed by
+    cudaFree, never taken from a stream's pool that nothing could give it back to."""
+    if lacks is not None:
+        from support.cuda_double import SOURCE
+
+        path = tmp_path / "libcudart_without_free_async.so"
+        subprocess.run([compiler(), "-shared", "-fPIC", "-O1", "-pthread", f"-D{lacks}={lacks}_renamed", SOURCE,
+                        "-o", str(path)], check=True)
+        monkeypatch.setenv("CAI_DLPACK_CUDART", str(path))
+    calls = run_with_double(ALLOCATION_CALLS_OF_A_DEVICE_COPY)
+    assert calls == (["cudaMallocAsync", "cudaFreeAsync"] if lacks is None else ["cudaMalloc", "cudaFree"]), calls
