@@ -1118,6 +1118,48 @@ def test_device_copy_of_exactly_the_call_limit_is_made(cudart):
         DLPackShim(CaiArray(allocation[:, :1])).__dlpack__(copy=True)
 
 
+def test_staged_host_copy_refused_for_its_streams_capture_query_frees_its_staging(cudart):
+    """A host copy past the call limit stages the bytes it reaches in one host block first; when the producer's
+    stream then cannot be asked about graph captures, the copy is refused (CudaError) and that block freed, every
+    time."""
+    if c_heap_bytes() is None:
+        pytest.skip("this C library cannot say how much of its heap is in use (mallinfo2)")
+    allocation = np.arange(2 * (MAX_CALLS + 10), dtype=np.float32).reshape(-1, 2)
+    register(cudart, allocation, DEVICE)
+    cudart.set_max_pitch(4)  # rows of 4 bytes, 8 apart: one call each, past the bound, so staged
+    obj = CaiArray(allocation[:, :1], stream=S1)
+    np.from_dlpack(DLPackShim(obj), device="cpu")
+    gc.collect()
+    before = c_heap_bytes()
+    for _ in range(4):  # a lost staging block is half a MiB a call
+        cudart.clear_log()
+        cudart.fail("cudaStreamGetCaptureInfo", 400)
+        with pytest.raises(CudaError, match=f"waits for stream {S1}, which could not be asked about graph captures"):
+            DLPackShim(obj).__dlpack__(dl_device=(kDLCPU, 0), max_version=(1, 0))
+        assert copies_in(cudart.log()) == []
+    gc.collect()
+    assert c_heap_bytes() - before < allocation.nbytes // 2
+
+
+def test_host_copies_let_go_give_their_memory_back(cudart):
+    """A host copy's memory is the consumer's until it lets the tensor go, then given back: host copies of a MiB of
+    device memory made and dropped one after another do not grow the C heap."""
+    if c_heap_bytes() is None:
+        pytest.skip("this C library cannot say how much of its heap is in use (mallinfo2)")
+    source = np.arange(1 << 18, dtype=np.float32)
+    register(cudart, source, DEVICE)
+    obj = CaiArray(source, stream=S1)
+    np.testing.assert_array_equal(np.from_dlpack(DLPackShim(obj), device="cpu"), source)
+    gc.collect()
+    before = c_heap_bytes()
+    for _ in range(4):
+        copied = np.from_dlpack(DLPackShim(obj), device="cpu")
+        assert copied[-1] == source[-1]
+        del copied
+    gc.collect()
+    assert c_heap_bytes() - before < source.nbytes
+
+
 def test_strided_host_copy_of_sixteen_byte_items():
     """complex128, the widest item a typestr names: a strided copy moves each item's 16 bytes whole and packs
     them 16 bytes apart."""
