@@ -112,6 +112,25 @@ def test_a_buffer_the_reader_cannot_take_is_released_before_the_interface_is_rea
     assert sys.getrefcount(array) == before
 
 
+def test_a_buffer_numpy_refuses_to_export_costs_no_memory():
+    """A subclass of a type NumPy will not export a buffer of (datetime64: ValueError) is read through its
+    interface, which refuses the type; each refused export frees what the reader set aside for it."""
+    import gc
+
+    array = np.array(["2020-01-01", "2020-01-02"], dtype="M8[D]").view(Subclass)
+    with pytest.raises(ValueError, match="cannot include dtype 'M' in a buffer"):
+        memoryview(array)
+    with pytest.raises(ValueError, match="'typestr' '<M8\\[D\\]' has no DLPack equivalent"):
+        cai2dlpack(array)
+    gc.collect()
+    blocks = sys.getallocatedblocks()
+    for _ in range(100):
+        with pytest.raises(ValueError, match="has no DLPack equivalent"):
+            cai2dlpack(array)
+    gc.collect()
+    assert sys.getallocatedblocks() - blocks < 50  # a block lost a call would be 100
+
+
 @pytest.mark.skipif(sys.version_info < (3, 12), reason="a Python-level __buffer__ (PEP 688) needs CPython 3.12")
 def test_an_array_whose_buffer_export_raises_is_read_through_its_interface():
     """An ndarray subclass whose __buffer__ raises keeps NumPy's C __array_interface__: the reader's buffer export
@@ -254,3 +273,25 @@ def test_a_buffer_reaching_outside_the_address_space_gets_the_interface_error(st
         with pytest.raises(ValueError, match=re.escape("__array_interface__ 'shape' (5,) with these 'strides' "
                                                        "reaches outside the address space")):
             call()
+
+
+ANOTHER_ARRAY = np.arange(3, dtype=np.int16)
+
+
+class InterfaceOfAnotherArray(np.ndarray):
+    """An ndarray subclass whose attribute access answers __array_interface__ with another array's: its type's
+    interface is NumPy's C one, so its own buffer is read first."""
+
+    def __getattribute__(self, name):
+        if name == "__array_interface__":
+            return ANOTHER_ARRAY.__array_interface__
+        return super().__getattribute__(name)
+
+
+def test_a_buffer_reaching_outside_the_address_space_leaves_no_error_behind_a_valid_interface():
+    """The buffer reader refuses a buffer past the end of the address space quietly: the interface, read instead,
+    describes an array the tensor then holds, with no exception left pending behind the result."""
+    array = np.lib.stride_tricks.as_strided(np.zeros(4), shape=(5,), strides=(2**62,)).view(InterfaceOfAnotherArray)
+    fields = read_capsule(cai2dlpack(array, max_version=(1, 0)))
+    assert (fields["data"], fields["shape"]) == (ANOTHER_ARRAY.ctypes.data, (3,))
+    assert np.from_dlpack(DLPackShim(array)).tolist() == [0, 1, 2]
