@@ -1,6 +1,7 @@
 """An exact numpy.ndarray is read from its fields, a subclass through the buffer protocol (its type implements
 __array_interface__ in C and exports a buffer); everything they cannot say goes through __array_interface__.
 The readings must give the same tensor, and the same errors."""
+import ctypes
 import os
 import re
 import subprocess
@@ -295,3 +296,25 @@ def test_a_buffer_reaching_outside_the_address_space_leaves_no_error_behind_a_va
     fields = read_capsule(cai2dlpack(array, max_version=(1, 0)))
     assert (fields["data"], fields["shape"]) == (ANOTHER_ARRAY.ctypes.data, (3,))
     assert np.from_dlpack(DLPackShim(array)).tolist() == [0, 1, 2]
+
+
+class WideStringPointer(ctypes.c_wchar_p):
+    """A ctypes wide-string pointer: its buffer is one 8-byte item in format '<Z', a 'Z' alone, which no type has
+    (complex's formats are 'Zf' and 'Zd'). Its type carries a C getset under __array_interface__ (ctypes' own
+    'value'), so its buffer is read first, and its attribute access answers the interface: the pointer as uint64."""
+
+    __array_interface__ = ctypes._SimpleCData.__dict__["value"]
+
+    def __getattribute__(self, name):
+        if name == "__array_interface__":
+            return {"shape": (), "typestr": "<u8", "data": (ctypes.addressof(self), False), "version": 3}
+        return super().__getattribute__(name)
+
+
+def test_a_buffer_format_of_one_character_that_only_starts_a_known_format_is_read_through_the_interface():
+    """A format is known whole, never by its first character: a buffer in format 'Z' (8-byte items, as complex64's
+    'Zf' has) is no complex64, and the interface, read instead, gives the pointer's uint64."""
+    pointer = WideStringPointer("text")
+    assert (memoryview(pointer).format, memoryview(pointer).itemsize) == ("<Z", 8)
+    value = np.from_dlpack(DLPackShim(pointer))
+    assert value.dtype == np.uint64 and int(value) == ctypes.cast(pointer, ctypes.c_void_p).value
