@@ -342,10 +342,13 @@ static void cdl_push_oldest(cdl_pending *entry)
         cdl_pending_tail = entry;
 }
 
-/* How many releases the calling thread is making: a release may drop a tensor whose own release is ordered (a
- * view's tensor, exported for the same stream), which then queues without waiting at the bound, or each wait
- * would finish an older release that queues one more, down the whole list (a host wait each, as deep a recursion). */
+/* How many releases the calling thread is making, and the completed one it finishes, if any. A release may drop
+ * what holds another ordered release (a view's release drops the tensor it held, whose deleter orders its
+ * owner's release in turn): one for the same point is made at once (the event just completed covers it: the
+ * outer object was the last to hold it, so nothing queued later reads it); any other queues, and the bound is
+ * held once the outermost release returned (cdl_hold_to_bound), never by a wait inside a release. */
 static _Thread_local int cdl_releasing;
+static _Thread_local const cdl_release_point *cdl_finishing;
 
 static void cdl_release_entry(cdl_pending *entry)
 {
@@ -355,10 +358,14 @@ static void cdl_release_entry(cdl_pending *entry)
     free(entry);
 }
 
+/* entry's event has completed: its event goes back, its release is made. */
 static void cdl_finish(const cdl_cudart *rt, cdl_pending *entry)
 {
     cdl_give_event(rt, entry->key, entry->event);
+    const cdl_release_point *outer = cdl_finishing;
+    cdl_finishing = &entry->point;
     cdl_release_entry(entry);
+    cdl_finishing = outer;
 }
 
 /* Run by the interpreter soon after a release was queued and when a stream reaches a release's event
@@ -391,8 +398,53 @@ static void cdl_schedule_collection(void)
     cdl_lock_release(&cdl_schedule_lock);
 }
 
+/* Past the bound, the oldest releases with an event are waited for and made, one at a time, until at most
+ * CDL_PENDING_LIMIT wait: memory held back stays bounded (but for releases whose stream captures: they have
+ * nothing to wait for yet). A release made here may queue more (counted by the next turn); a wait the runtime
+ * refuses (a capture prohibits it, or any error) keeps that release pending, never made before its stream ran,
+ * and ends the turns. Only outside any release of this thread's. */
+static void cdl_hold_to_bound(const cdl_cudart *rt)
+{
+    while (cdl_pending_count > CDL_PENDING_LIMIT) {
+        cdl_pending *oldest = NULL, *before = NULL;
+        cdl_lock_acquire(&cdl_pending_lock);
+        if (cdl_pending_count > CDL_PENDING_LIMIT) {
+            for (oldest = cdl_pending_head; oldest != NULL && !oldest->recorded; oldest = oldest->next)
+                before = oldest;
+            if (oldest != NULL) {
+                if (before != NULL)
+                    before->next = oldest->next;
+                else
+                    cdl_pending_head = oldest->next;
+                if (cdl_pending_tail == oldest)
+                    cdl_pending_tail = before;
+                oldest->next = NULL;
+                cdl_pending_count--;
+            }
+        }
+        cdl_lock_release(&cdl_pending_lock);
+        if (oldest == NULL)
+            return;
+        cdl_pending_waits++;
+        if (!cdl_wait_for(rt, oldest)) {
+            cdl_lock_acquire(&cdl_pending_lock);
+            cdl_push_oldest(oldest);
+            cdl_pending_count++;
+            cdl_lock_release(&cdl_pending_lock);
+            return;
+        }
+        cdl_finish(rt, oldest);
+    }
+}
+
 void cdl_release_after(const cdl_release_point *point, cdl_release_fn release, void *argument)
 {
+    const cdl_release_point *finishing = cdl_finishing;
+    if (finishing != NULL && point->stream == finishing->stream && point->device == finishing->device &&
+        point->thread == finishing->thread) {
+        release(argument); /* the same point as the completed release that dropped it */
+        return;
+    }
     cdl_release_completed();
     const cdl_cudart *rt = cdl_cudart_loaded();
     cdl_pending *entry = NULL;
@@ -410,44 +462,16 @@ void cdl_release_after(const cdl_release_point *point, cdl_release_fn release, v
     entry->release = release;
     entry->argument = argument;
     entry->next = NULL;
-    cdl_pending *oldest = NULL, *before = NULL;
     cdl_lock_acquire(&cdl_pending_lock);
     if (cdl_pending_tail != NULL)
         cdl_pending_tail->next = entry;
     else
         cdl_pending_head = entry;
     cdl_pending_tail = entry;
-    /* Past the bound the oldest release with an event waits for it: memory held back stays bounded (but for
-     * releases whose stream captures: they have nothing to wait for yet, and those a release makes, one past the
-     * bound for each the caller's drop finished). */
-    if (++cdl_pending_count > CDL_PENDING_LIMIT && cdl_releasing == 0) {
-        for (oldest = cdl_pending_head; oldest != NULL && !oldest->recorded; oldest = oldest->next)
-            before = oldest;
-        if (oldest != NULL) {
-            if (before != NULL)
-                before->next = oldest->next;
-            else
-                cdl_pending_head = oldest->next;
-            if (cdl_pending_tail == oldest)
-                cdl_pending_tail = before;
-            oldest->next = NULL;
-            cdl_pending_count--;
-        }
-    }
+    cdl_pending_count++;
     cdl_lock_release(&cdl_pending_lock);
-    if (oldest != NULL) {
-        cdl_pending_waits++;
-        if (cdl_wait_for(rt, oldest)) {
-            cdl_finish(rt, oldest);
-        }
-        else {
-            /* Refused (a capture prohibits it, or any error): never released before its stream ran. */
-            cdl_lock_acquire(&cdl_pending_lock);
-            cdl_push_oldest(oldest);
-            cdl_pending_count++;
-            cdl_lock_release(&cdl_pending_lock);
-        }
-    }
+    if (cdl_releasing == 0)
+        cdl_hold_to_bound(rt);
     cdl_schedule_collection();
 }
 
@@ -555,6 +579,8 @@ void cdl_release_completed(void)
             cdl_release_entry(done);
         done = next;
     }
+    if (made > 0 && cdl_releasing == 0)
+        cdl_hold_to_bound(rt); /* what the releases made queued */
 }
 
 /* Two references released together, in their interpreter (any thread); left to a finalizing interpreter. */

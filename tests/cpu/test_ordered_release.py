@@ -235,9 +235,13 @@ def test_concurrent_conversions_and_drops_release_each_owner_once(late):
     assert sorted(released) == list(range(100)) and _core._pending_releases()["pending"] == 0
 
 
+def dropped_by_a_consumer_on(x, stream):
+    """The drop of a consumer's tensor of x for stream: its deleter, called with the GIL let go (a C consumer)."""
+    return consume(cai2dlpack(x, stream=stream, max_version=(1, 0)))[1]
+
+
 def dropped_by_a_consumer(x):
-    """The drop of a consumer's tensor of x for S2: its deleter, called with the GIL let go (a C consumer)."""
-    return consume(cai2dlpack(x, stream=S2, max_version=(1, 0)))[1]
+    return dropped_by_a_consumer_on(x, S2)
 
 
 def dropped_with_a_view(x):
@@ -246,13 +250,12 @@ def dropped_with_a_view(x):
     return holder.clear
 
 
-@pytest.mark.parametrize("dropped, made", [(dropped_by_a_consumer, 0), (dropped_with_a_view, 1)],
+@pytest.mark.parametrize("dropped", [dropped_by_a_consumer, dropped_with_a_view],
                          ids=["a consumer's tensor, GIL let go", "a view, GIL held"])
-def test_past_the_bound_the_oldest_release_waits_for_its_stream(late, dropped, made):
+def test_past_the_bound_the_oldest_release_waits_for_its_stream(late, dropped):
     """At most CDL_PENDING_LIMIT releases wait; one more makes the oldest wait for its event: one host wait, the
-    dropping thread detached from the interpreter meanwhile when it held the GIL, attached again after. A view's
-    release drops the tensor it held, whose own release (ordered on the same stream) queues without waiting: one
-    past the bound, not a wait for every older release in turn."""
+    dropping thread attached again after it when it held the GIL. A view's release drops the tensor it held, whose
+    own release (for the same stream) is covered by the event just waited for: made at once, not queued again."""
     limit = _core._pending_releases()["limit"]
     host = np.zeros(limit + 1, dtype=np.float32)
     register(late, host, DEVICE)
@@ -264,7 +267,66 @@ def test_past_the_bound_the_oldest_release_waits_for_its_stream(late, dropped, m
     dropped(CaiArray(host[limit:]))()
     info = _core._pending_releases()
     assert info["waited"] == waited + 1 and late.sync_calls == waits + 1
-    assert info["pending"] == limit + made
+    assert info["pending"] == limit
+
+
+def test_views_dropped_one_after_another_past_the_bound_stay_at_the_bound(late):
+    """Twice CDL_PENDING_LIMIT views dropped while their stream never runs: from the bound on, each drop waits for
+    the oldest and no more than the bound ever waits (the releases those make add none)."""
+    limit = _core._pending_releases()["limit"]
+    host = np.zeros(2 * limit, dtype=np.float32)
+    register(late, host, DEVICE)
+    late.launch_kernel(S2, lambda: None)
+    waited = _core._pending_releases()["waited"]
+    most = 0
+    for i in range(2 * limit):
+        dropped_with_a_view(CaiArray(host[i:i + 1]))()
+        most = max(most, _core._pending_releases()["pending"])
+    assert most == limit and _core._pending_releases()["waited"] == waited + limit
+
+
+class Holding(CaiArray):
+    """A producer's array that holds other objects (views, or whatever its __del__ does)."""
+
+
+def test_a_release_that_drops_many_ordered_releases_leaves_at_most_the_bound_waiting(late):
+    """One release (a tensor's owner, made once S2 ran) drops three times CDL_PENDING_LIMIT views for S1, which
+    never runs: they queue, and once that release returned the oldest are waited for until the bound holds."""
+    limit = _core._pending_releases()["limit"]
+    host = np.zeros(3 * limit + 1, dtype=np.float32)
+    register(late, host, DEVICE)
+    late.launch_kernel(S1, lambda: None)
+    owner = Holding(host[3 * limit:])
+    owner.views = [dlpack2cai(DLPackShim(CaiArray(host[i:i + 1])), stream=S1) for i in range(3 * limit)]
+    late.launch_kernel(S2, lambda: None)
+    consume(cai2dlpack(owner, stream=S2, max_version=(1, 0)))[1]()
+    del owner
+    gc.collect()
+    assert _core._pending_releases()["pending"] == 1
+    late.run_stream(S2)
+    assert _core._pending_releases()["pending"] == limit
+
+
+def test_drops_made_by_a_finalizer_a_release_runs_leave_at_most_the_bound_waiting(late):
+    """Python code a release runs (the __del__ of the owner it drops) converts and drops twice CDL_PENDING_LIMIT
+    tensors for S1, which never runs: the bound holds once the release returned."""
+    limit = _core._pending_releases()["limit"]
+    host = np.zeros(2 * limit + 1, dtype=np.float32)
+    register(late, host, DEVICE)
+    late.launch_kernel(S1, lambda: None)
+
+    class Converting(Holding):
+        def __del__(self):
+            for i in range(2 * limit):
+                dropped_by_a_consumer_on(CaiArray(host[i:i + 1]), S1)()
+
+    owner = Converting(host[2 * limit:])
+    late.launch_kernel(S2, lambda: None)
+    consume(cai2dlpack(owner, stream=S2, max_version=(1, 0)))[1]()
+    del owner
+    gc.collect()
+    late.run_stream(S2)
+    assert _core._pending_releases()["pending"] == limit
 
 
 def test_a_captured_conversion_is_kept_until_its_stream_left_the_capture_and_leaves_the_capture_whole(late):
