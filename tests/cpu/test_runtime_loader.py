@@ -354,3 +354,16 @@ def test_device_copies_are_stream_ordered_only_with_a_runtime_that_has_both_asyn
         monkeypatch.setenv("CAI_DLPACK_CUDART", str(path))
     calls = run_with_double(ALLOCATION_CALLS_OF_A_DEVICE_COPY)
     assert calls == (["cudaMallocAsync", "cudaFreeAsync"] if lacks is None else ["cudaMalloc", "cudaFree"]), calls
+
+
+def test_loading_the_runtime_leaves_another_librarys_pending_error_alone():
+    """Another library loaded the runtime first and left an error pending in it: loading it ourselves (the entry
+    points asked, the devices counted) clears nothing, and the error is still there for that library."""
+    out = run_with_double("""
+        assert double.lib.cudaSetDevice(99) != 0  # another library's failure, left pending
+        pending = double.last_error
+        import cai_dlpack
+        assert cai_dlpack.cuda_runtime_info()["path"] is not None
+        print(pending != 0, double.last_error == pending)
+    """)
+    assert out == ["True", "True"]
