@@ -168,18 +168,53 @@ void cdl_capsule_order_release(PyObject *capsule, const cdl_release_point *at, i
     cdl_managed_order_release(managed, at, data_stream_ordered);
 }
 
-/* A foreign tensor a view held, deleted once its consumer's work has run, in the view's interpreter. */
+/* A tensor a view held, deleted once its consumer's work has run, in the view's interpreter. */
 typedef struct {
     cdl_managed managed; /* the copy of the handle is ours */
+    cdl_release_point at;
     PyInterpreterState *interpreter;
 } cdl_managed_later;
+
+/* The block of one of our own exports whose release is ordered at the point at, with nothing else to wait for;
+ * else NULL. */
+static cdl_export_block *cdl_own_block_ordered_at(const cdl_managed *managed, const cdl_release_point *at)
+{
+    cdl_export_block *block;
+    if (managed->versioned) {
+        const DLManagedTensorVersioned *m = managed->pointer;
+        block = m->deleter == cdl_delete_versioned ? m->manager_ctx : NULL;
+    }
+    else {
+        const DLManagedTensor *m = managed->pointer;
+        block = m->deleter == cdl_delete_legacy ? m->manager_ctx : NULL;
+    }
+    if (block == NULL || block->data_stream_ordered || block->release_at.stream != at->stream ||
+        block->release_at.device != at->device || block->release_at.thread != at->thread)
+        return NULL;
+    return block;
+}
 
 static void cdl_managed_delete_now(void *argument)
 {
     cdl_managed_later *later = argument;
     cdl_interpreter_scope scope;
     if (cdl_interpreter_enter(later->interpreter, &scope)) {
-        cdl_managed_delete(&later->managed);
+        /* The view held our own export for its own stream: the event just completed, recorded on that stream when
+         * the view (the tensor's one holder) was dropped, covers the tensor's release too; no second one. */
+        cdl_export_block *block = cdl_own_block_ordered_at(&later->managed, &later->at);
+        if (block != NULL) {
+            /* (its owner's finalizers must not see, or clear, an exception already set) */
+            const int stash = PyErr_Occurred() != NULL;
+            cdl_pending_error pending;
+            if (stash)
+                cdl_error_stash(&pending);
+            cdl_release_block(block);
+            if (stash)
+                cdl_error_unstash(&pending);
+        }
+        else {
+            cdl_managed_delete(&later->managed);
+        }
         cdl_interpreter_leave(&scope);
     }
     /* Else the producer's deleter is not called: it may need the interpreter that is going. */
@@ -194,6 +229,7 @@ void cdl_managed_delete_after(cdl_managed *managed, const cdl_release_point *at)
         return;
     }
     later->managed = *managed;
+    later->at = *at;
     later->interpreter = PyInterpreterState_Get();
     managed->pointer = NULL;
     cdl_release_after(at, cdl_managed_delete_now, later);

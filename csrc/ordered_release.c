@@ -342,13 +342,11 @@ static void cdl_push_oldest(cdl_pending *entry)
         cdl_pending_tail = entry;
 }
 
-/* How many releases the calling thread is making, and the completed one it finishes, if any. A release may drop
- * what holds another ordered release (a view's release drops the tensor it held, whose deleter orders its
- * owner's release in turn): one for the same point is made at once (the event just completed covers it: the
- * outer object was the last to hold it, so nothing queued later reads it); any other queues, and the bound is
- * held once the outermost release returned (cdl_hold_to_bound), never by a wait inside a release. */
+/* How many releases the calling thread is making. A release may drop what holds other ordered releases (a
+ * finalizer converts and drops; an object held views): they queue, and the bound is held once the outermost
+ * release returned (cdl_hold_to_bound), never by a wait inside a release, which would finish an older release
+ * that may queue one more, and so on down the list (a host wait and a level of recursion each). */
 static _Thread_local int cdl_releasing;
-static _Thread_local const cdl_release_point *cdl_finishing;
 
 static void cdl_release_entry(cdl_pending *entry)
 {
@@ -362,10 +360,7 @@ static void cdl_release_entry(cdl_pending *entry)
 static void cdl_finish(const cdl_cudart *rt, cdl_pending *entry)
 {
     cdl_give_event(rt, entry->key, entry->event);
-    const cdl_release_point *outer = cdl_finishing;
-    cdl_finishing = &entry->point;
     cdl_release_entry(entry);
-    cdl_finishing = outer;
 }
 
 /* Run by the interpreter soon after a release was queued and when a stream reaches a release's event
@@ -439,12 +434,6 @@ static void cdl_hold_to_bound(const cdl_cudart *rt)
 
 void cdl_release_after(const cdl_release_point *point, cdl_release_fn release, void *argument)
 {
-    const cdl_release_point *finishing = cdl_finishing;
-    if (finishing != NULL && point->stream == finishing->stream && point->device == finishing->device &&
-        point->thread == finishing->thread) {
-        release(argument); /* the same point as the completed release that dropped it */
-        return;
-    }
     cdl_release_completed();
     const cdl_cudart *rt = cdl_cudart_loaded();
     cdl_pending *entry = NULL;

@@ -329,6 +329,67 @@ def test_drops_made_by_a_finalizer_a_release_runs_leave_at_most_the_bound_waitin
     assert _core._pending_releases()["pending"] == limit
 
 
+def released_by_a_completed_release(late, finalizer):
+    """Runs finalizer inside the release of an owner whose tensor was dropped for S2 (the release is made once S2
+    ran past its event, by the host's next collection)."""
+    class Owner(Holding):
+        def __del__(self):
+            finalizer()
+
+    host = np.zeros(N, dtype=np.float32)
+    register(late, host, DEVICE)
+    owner = Owner(host)
+    late.launch_kernel(S2, lambda: None)
+    consume(cai2dlpack(owner, stream=S2, max_version=(1, 0)))[1]()
+    del owner
+    gc.collect()
+    late.run_stream(S2)
+    _core._pending_releases()  # the collection: the owner's release, its finalizer
+
+
+def test_a_tensor_a_release_converts_and_drops_for_the_same_stream_waits_for_its_kernel(late):
+    """Code a release runs (a finalizer) converts for S2, queues a kernel reading the tensor on S2 and drops it:
+    the producer's array outlives the drop until that kernel ran (the completed release's event covers nothing
+    queued after it)."""
+    pool, seen, watch = Pool(late), [], []
+
+    def finalizer():
+        x = pool.take(ORIGINAL)
+        watch.append(weakref.ref(x))
+        data, drop = consume(cai2dlpack(x, stream=S2, max_version=(1, 0)))
+        del x
+        late.launch_kernel(S2, lambda: seen.append(read(data)))
+        drop()
+
+    released_by_a_completed_release(late, finalizer)
+    gc.collect()
+    assert watch[0]() is not None
+    pool.take(NEXT)
+    late.run_stream(S2)
+    np.testing.assert_array_equal(seen[0], ORIGINAL)
+
+
+def test_a_device_copy_a_release_makes_for_the_same_stream_keeps_its_source_until_it_ran(late):
+    """A device copy asked for by code a release runs, for the stream that release waited on: its source stays
+    alive until the copy ran (the pool cannot hand the block out before), and the copy holds the source's
+    values."""
+    pool, made = Pool(late), {}
+
+    def finalizer():
+        x = pool.take(ORIGINAL)
+        made["watch"] = weakref.ref(x)
+        made["copy"], made["drop"] = consume(DLPackShim(x).__dlpack__(stream=S2, copy=True, max_version=(1, 0)))
+
+    released_by_a_completed_release(late, finalizer)
+    gc.collect()
+    assert made["watch"]() is not None
+    later = pool.take(NEXT)
+    late.run_stream(S2)
+    np.testing.assert_array_equal(read(made["copy"]), ORIGINAL)
+    made["drop"]()
+    del later
+
+
 def test_a_captured_conversion_is_kept_until_its_stream_left_the_capture_and_leaves_the_capture_whole(late):
     """An event recorded in a capture is a node of the graph, not a point in time: a tensor dropped while its
     consumer stream captures records nothing (the capture stays valid) and stays pending, with no event, until a
