@@ -193,7 +193,8 @@ def test_the_buffer_reader_under_allocation_failure_keeps_nothing():
     blocks = sys.getallocatedblocks()
     assert fail_each_allocation(convert) > 0
     gc.collect()
-    assert sys.getallocatedblocks() - blocks == 1  # the int `blocks`, made once it was counted
+    # (the int `blocks`, made once it was counted, may be the one more; the free-threaded build's count can drop)
+    assert sys.getallocatedblocks() - blocks <= 1
     assert sys.getrefcount(array) == before
     assert read_capsule(cai2dlpack(array))["shape"] == (3, 2)
 
