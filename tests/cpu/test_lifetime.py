@@ -534,7 +534,7 @@ def test_no_growth_over_many_conversions(cudart, label):
     # A leak grows in every round. On free-threaded builds memory is also freed late (ctypes' objects among
     # others; live objects flat): the traced total then swings by hundreds of KiB from round to round, up and
     # down. There a leak is growth in each of three rounds; with the GIL, growth in the one round.
-    growth = []
+    growth, rss_growth = [], []
     for _ in range(3 if FREE_THREADED else 1):
         rss_before = resident_bytes()
         traced_before = tracemalloc.get_traced_memory()[0]
@@ -543,10 +543,10 @@ def test_no_growth_over_many_conversions(cudart, label):
             run()
         gc.collect()
         growth.append(tracemalloc.get_traced_memory()[0] - traced_before)
-        rss_growth = resident_bytes() - rss_before
+        rss_growth.append(resident_bytes() - rss_before)
         refs_after = sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
     tracemalloc.stop()
     assert min(growth) < 4096, (label, growth)
     if not UNDER_ASAN:  # ASan's quarantine keeps freed blocks resident on purpose
-        assert rss_growth < 1 << 20, (label, rss_growth)
+        assert min(rss_growth) < 1 << 20, (label, rss_growth)  # (the resident size of 3.13t's heaps swings too)
     assert all(abs(a - b) < 50 for a, b in zip(refs_before, refs_after)), (label, refs_before, refs_after)
