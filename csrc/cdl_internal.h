@@ -377,6 +377,9 @@ void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl
  * 0, or the runtime refuses the event. Any thread, with or without the GIL, also while the interpreter shuts
  * down. */
 void cdl_release_after(const cdl_release_point *point, cdl_release_fn release, void *argument);
+/* Whether the calling thread is making the release of argument (given to cdl_release_after) because the event
+ * recorded at its point completed: the stream ran everything queued before it was dropped. */
+int cdl_release_reached(const void *argument);
 /* Releases new references to a and b (either may be NULL) after point, as cdl_release_after. */
 void cdl_release_objects_after(const cdl_release_point *point, PyObject *a, PyObject *b);
 /* The calling thread's attached thread state, or NULL (none, or the interpreter finalizes): one that holds

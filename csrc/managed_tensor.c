@@ -199,9 +199,12 @@ static void cdl_managed_delete_now(void *argument)
     cdl_managed_later *later = argument;
     cdl_interpreter_scope scope;
     if (cdl_interpreter_enter(later->interpreter, &scope)) {
-        /* The view held our own export for its own stream: the event just completed, recorded on that stream when
-         * the view (the tensor's one holder) was dropped, covers the tensor's release too; no second one. */
-        cdl_export_block *block = cdl_own_block_ordered_at(&later->managed, &later->at);
+        /* The view held our own export for its own stream, and this release is made because the event recorded on
+         * that stream when the view (the tensor's one holder) was dropped completed: it covers the tensor's
+         * release too, no second one. Made for any other reason (a refused record or query), the tensor's own
+         * deleter orders it. */
+        cdl_export_block *block =
+            cdl_release_reached(later) ? cdl_own_block_ordered_at(&later->managed, &later->at) : NULL;
         if (block != NULL) {
             /* (its owner's finalizers must not see, or clear, an exception already set) */
             const int stash = PyErr_Occurred() != NULL;

@@ -12,6 +12,7 @@
 typedef struct cdl_pending {
     cdl_release_point point; /* the consumer's stream */
     int recorded;            /* 0 while point's stream captured at every try: no event yet */
+    int reached;             /* its event completed (not a refused query): the stream ran past the drop */
     int64_t stream;          /* the stream the event was recorded on (the legacy one for another thread's 2) */
     cudaEvent_t event;
     unsigned long long key; /* the event's context: its id, or the device without the driver's calls */
@@ -357,10 +358,21 @@ static void cdl_release_entry(cdl_pending *entry)
 }
 
 /* entry's event has completed: its event goes back, its release is made. */
+/* The argument of the release this thread is making because its event completed, or NULL. */
+static _Thread_local const void *cdl_reached_argument;
+
+int cdl_release_reached(const void *argument)
+{
+    return argument != NULL && argument == cdl_reached_argument;
+}
+
 static void cdl_finish(const cdl_cudart *rt, cdl_pending *entry)
 {
     cdl_give_event(rt, entry->key, entry->event);
+    const void *outer = cdl_reached_argument;
+    cdl_reached_argument = entry->reached ? entry->argument : NULL;
     cdl_release_entry(entry);
+    cdl_reached_argument = outer;
 }
 
 /* Run by the interpreter soon after a release was queued and when a stream reaches a release's event
@@ -428,6 +440,7 @@ static void cdl_hold_to_bound(const cdl_cudart *rt)
             cdl_lock_release(&cdl_pending_lock);
             return;
         }
+        oldest->reached = 1;
         cdl_finish(rt, oldest);
     }
 }
@@ -448,6 +461,7 @@ void cdl_release_after(const cdl_release_point *point, cdl_release_fn release, v
     }
     entry->point = *point;
     entry->recorded = recorded == CDL_RECORDED;
+    entry->reached = 0;
     entry->release = release;
     entry->argument = argument;
     entry->next = NULL;
@@ -536,6 +550,7 @@ void cdl_release_completed(void)
             if (code != cudaSuccess && code != cudaErrorNotReady)
                 (void)rt->get_last_error(); /* the event's context is gone, and nothing of its work still runs */
             complete = code != cudaErrorNotReady;
+            entry->reached = code == cudaSuccess;
             if (!complete)
                 cdl_note_busy(&busy, entry);
         }

@@ -390,6 +390,32 @@ def test_a_device_copy_a_release_makes_for_the_same_stream_keeps_its_source_unti
     del later
 
 
+@pytest.mark.parametrize("refused", ["cudaEventRecord", "cudaEventQuery"])
+def test_a_views_release_made_without_its_event_still_orders_the_export_it_held(late, refused):
+    """A view of our own export for S2 whose release is made without its event having completed (the record of
+    its drop refused, or the query of its event erring, taken as a context gone): the export it held is not
+    released with it but by its own deleter, which records an event of its own, so the producer's memory outlives
+    the consumer's kernel queued before the drop."""
+    pool, seen = Pool(late), []
+    x = pool.take(ORIGINAL)
+    view = dlpack2cai(DLPackShim(x), stream=S2)
+    address = view.__cuda_array_interface__["data"][0]
+    del x
+    late.launch_kernel(S2, lambda: seen.append(read(address)))
+    if refused == "cudaEventRecord":
+        late.fail("cudaEventRecord", 999)
+    del view
+    gc.collect()
+    if refused == "cudaEventQuery":
+        late.fail("cudaEventQuery", 999)
+    _core._pending_releases()
+    assert _core._pending_releases()["pending"] == 1  # the export's own release
+    later = pool.take(NEXT)
+    late.run_stream(S2)
+    np.testing.assert_array_equal(seen[0], ORIGINAL)
+    del later
+
+
 def test_a_captured_conversion_is_kept_until_its_stream_left_the_capture_and_leaves_the_capture_whole(late):
     """An event recorded in a capture is a node of the graph, not a point in time: a tensor dropped while its
     consumer stream captures records nothing (the capture stays valid) and stays pending, with no event, until a
