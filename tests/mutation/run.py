@@ -65,10 +65,11 @@ SYNCED = ["CMakeLists.txt", "pyproject.toml", "csrc", "include", "python", "test
 RELATED_TESTS = {
     "c_api.c": ["test_c_api.py", "test_exchange_consumer.py", "test_exchange_allocator.py", "test_out_of_memory.py"],
     "cai_to_dlpack.c": ["test_fresh_dict_reader.py", "test_cai_path.py", "test_errors.py", "test_interface_lookup.py",
-                        "test_buffer_path.py", "test_streams.py", "test_low_precision.py", "test_copy.py"],
-    "copy.c": ["test_copy.py", "test_ordered_release.py"],
+                        "test_buffer_path.py", "test_streams.py", "test_low_precision.py", "test_copy.py",
+                        "test_out_of_memory.py", "test_interface_cache.py", "test_c_api.py"],
+    "copy.c": ["test_copy.py", "test_ordered_release.py", "test_out_of_memory.py"],
     "cuda_runtime.c": ["test_runtime_loader.py", "test_device_context.py", "test_streams.py",
-                       "test_graph_capture.py", "test_locks.py"],
+                       "test_graph_capture.py", "test_locks.py", "test_copy.py"],
     "dlpack_to_cai.c": ["test_view_buffer.py", "test_exchange_consumer.py", "test_handed_out_objects.py",
                         "test_lifetime.py", "test_errors.py", "test_streams.py", "test_low_precision.py",
                         "test_graph_capture.py"],
@@ -78,7 +79,7 @@ RELATED_TESTS = {
     "interface_cache.c": ["test_interface_cache.py", "test_cai_path.py", "test_fresh_dict_reader.py"],
     "managed_tensor.c": ["test_lifetime.py", "test_ordered_release.py", "test_handed_out_objects.py",
                          "test_cai_path.py", "test_view_buffer.py", "test_exchange_consumer.py", "test_dlpack_1_4.py",
-                         "test_errors.py"],
+                         "test_errors.py", "test_out_of_memory.py", "test_copy.py"],
     "module.c": ["test_errors.py", "test_self_check.py", "test_cai_path.py", "test_lifetime.py",
                  "test_out_of_memory.py"],
     "names.c": ["test_errors.py", "test_cai_path.py", "test_out_of_memory.py"],
@@ -88,7 +89,7 @@ RELATED_TESTS = {
     "stream_sync.c": ["test_streams.py", "test_graph_capture.py", "test_lifetime.py", "test_locks.py", "test_c_api.py",
                       "test_device_context.py"],
     "cdl_internal.h": ["test_cai_path.py", "test_view_buffer.py", "test_copy.py", "test_buffer_path.py", "test_errors.py",
-                       "test_exchange_allocator.py", "test_graph_capture.py"],
+                       "test_exchange_allocator.py", "test_graph_capture.py", "test_c_api.py"],
 }
 
 # Left out of the whole-suite stage: they check the build, the packaging, typing stubs and the benchmark
