@@ -293,6 +293,17 @@ except ImportError:
     run = lambda code: interpreters.run_string(interp, code)
 """
 
+# A script's lines after LEGACY_SUBINTERPRETER's: a tensor made in the subinterpreter and consumed there, its
+# deleter's and tensor's addresses in `deleter`, `address`, and a hook that keeps unraisable notes in `notes`.
+A_SUBINTERPRETERS_TENSOR = """
+read, write = os.pipe()
+error = run(%r + f"tensor = consumed_tensor(16); os.write({write}, repr(tensor[1:]).encode())")
+assert error is None, error
+deleter, address = eval(os.read(read, 100))
+notes = []
+sys.unraisablehook = lambda unraisable: notes.append((unraisable.exc_type, str(unraisable.exc_value)))
+""" % CONSUMED_TENSOR
+
 
 @pytest.mark.skipif(bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
                     reason="a free-threaded CPython loads no single-phase module (ours) in any subinterpreter")
@@ -325,28 +336,14 @@ def test_deleter_of_a_subinterpreters_tensor_called_outside_it_leaves_it_behind_
     """A tensor made in a (legacy) subinterpreter, dropped by a consumer in the main interpreter: whether its
     interpreter still lives cannot be asked, so its objects are left behind (never freed in an interpreter not
     theirs), with an unraisable note naming the subinterpreter."""
-    result = run_script("""
-        try:                                                       # shares the main GIL: this module loads there
-            import _interpreters as interpreters                   # 3.13+
-            interp = interpreters.create("legacy")
-            run = lambda code: interpreters.exec(interp, code)
-        except ImportError:
-            import _xxsubinterpreters as interpreters              # 3.11, 3.12
-            interp = interpreters.create(**({"isolated": False} if sys.version_info >= (3, 12) else {}))
-            run = lambda code: interpreters.run_string(interp, code)
-        read, write = os.pipe()
-        error = run(CONSUMED_TENSOR_SOURCE + f"tensor = consumed_tensor(16); os.write({write}, repr(tensor[1:]).encode())")
-        assert error is None, error
-        deleter, address = eval(os.read(read, 100))
-        notes = []
-        sys.unraisablehook = lambda unraisable: notes.append((unraisable.exc_type, str(unraisable.exc_value)))
-        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(deleter)(address)
-        sys.unraisablehook = sys.__unraisablehook__
-        for kind, text in notes:
-            print(kind.__name__, "subinterpreter" in text and "left behind" in text, flush=True)
-        error = run("print('released' if tensor[0]() is None else 'kept', flush=True)")
-        assert error is None, error
-    """.replace("CONSUMED_TENSOR_SOURCE", repr(CONSUMED_TENSOR)))
+    result = run_script(LEGACY_SUBINTERPRETER + A_SUBINTERPRETERS_TENSOR + """
+ctypes.CFUNCTYPE(None, ctypes.c_void_p)(deleter)(address)
+sys.unraisablehook = sys.__unraisablehook__
+for kind, text in notes:
+    print(kind.__name__, "subinterpreter" in text and "left behind" in text, flush=True)
+error = run("print('released' if tensor[0]() is None else 'kept', flush=True)")
+assert error is None, error
+""")
     assert result.returncode == 0, result.stderr[-3000:]
     if sys.version_info >= (3, 12):
         # The note goes to the unraisable hook of the interpreter the releasing thread runs.
@@ -365,14 +362,8 @@ def test_a_subinterpreters_tensor_dropped_on_a_thread_of_the_main_interpreter_is
     """A tensor made in a (legacy) subinterpreter, dropped by a consumer on a thread of the main interpreter that
     holds the GIL (PYFUNCTYPE): its objects are left behind, and the note goes to the main interpreter's
     unraisable hook, on every version (the thread's state is known to be attached), leaving no error set."""
-    result = run_script(LEGACY_SUBINTERPRETER + """
+    result = run_script(LEGACY_SUBINTERPRETER + A_SUBINTERPRETERS_TENSOR + """
 import threading
-read, write = os.pipe()
-error = run(CONSUMED_TENSOR_SOURCE + f"tensor = consumed_tensor(16); os.write({write}, repr(tensor[1:]).encode())")
-assert error is None, error
-deleter, address = eval(os.read(read, 100))
-notes = []
-sys.unraisablehook = lambda unraisable: notes.append((unraisable.exc_type, str(unraisable.exc_value)))
 after = []
 def drop():
     ctypes.PYFUNCTYPE(None, ctypes.c_void_p)(deleter)(address)
@@ -386,7 +377,7 @@ for kind, text in notes:
 print(after)
 error = run("print('released' if tensor[0]() is None else 'kept', flush=True)")
 assert error is None, error
-""".replace("CONSUMED_TENSOR_SOURCE", repr(CONSUMED_TENSOR)))
+""")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["RuntimeError", "True", "[None]", "kept"]
     assert "left behind" not in result.stderr
