@@ -1134,11 +1134,30 @@ def test_staged_host_copy_refused_for_its_streams_capture_query_frees_its_stagin
     for _ in range(4):  # a lost staging block is half a MiB a call
         cudart.clear_log()
         cudart.fail("cudaStreamGetCaptureInfo", 400)
-        with pytest.raises(CudaError, match=f"waits for stream {S1}, which could not be asked about graph captures"):
+        with pytest.raises(CudaError, match=f"waits for stream {S1}, which could not be asked about graph captures") \
+                as raised:
             DLPackShim(obj).__dlpack__(dl_device=(kDLCPU, 0), max_version=(1, 0))
+        assert (raised.value.call, raised.value.code) == ("cudaStreamSynchronize", 400)  # the query's own error
         assert copies_in(cudart.log()) == []
     gc.collect()
     assert c_heap_bytes() - before < allocation.nbytes // 2
+
+
+def test_staged_host_copy_refused_while_its_stream_captures_names_the_capture(cudart):
+    """A host copy past the call limit (staged) of data whose stream is capturing a graph is refused before it
+    waits for the stream: CudaError naming cudaStreamSynchronize and cudaErrorStreamCaptureUnsupported (900), no
+    copy made, the capture left whole."""
+    allocation = np.arange(2 * (MAX_CALLS + 10), dtype=np.float32).reshape(-1, 2)
+    register(cudart, allocation, DEVICE)
+    cudart.set_max_pitch(4)  # rows of 4 bytes, 8 apart: one call each, past the bound, so staged
+    obj = CaiArray(allocation[:, :1], stream=S1)
+    capture = cudart.begin_capture(S1)
+    cudart.clear_log()
+    with pytest.raises(CudaError, match=f"waits for stream {S1}, which is capturing a CUDA graph") as raised:
+        DLPackShim(obj).__dlpack__(dl_device=(kDLCPU, 0), max_version=(1, 0))
+    assert (raised.value.call, raised.value.code) == ("cudaStreamSynchronize", 900)
+    assert copies_in(cudart.log()) == []
+    assert cudart.violations == 0 and cudart.end_capture(capture)
 
 
 def test_host_copies_let_go_give_their_memory_back(cudart):
