@@ -390,6 +390,30 @@ def test_a_device_copy_a_release_makes_for_the_same_stream_keeps_its_source_unti
     del later
 
 
+@pytest.mark.parametrize("export", [
+    lambda x: DLPackShim(x).__dlpack__(stream=S2, max_version=(1, 0)),
+    lambda x: cai2dlpack(x, stream=S2),
+], ids=["versioned", "legacy"])
+def test_a_view_of_our_own_export_for_its_stream_is_released_with_one_event(late, export):
+    """A view of our own export (either capsule) for the stream the export was made for: the view was the tensor's
+    one holder, so once its stream ran past the view's drop the producer's array is released, with no second
+    event recorded for the tensor and nothing left pending."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    watch = weakref.ref(x)
+    view = dlpack2cai(export(x), stream=S2)
+    del x
+    late.launch_kernel(S2, lambda: None)
+    late.clear_log()
+    del view
+    gc.collect()
+    assert watch() is not None and _core._pending_releases()["pending"] == 1
+    late.run_stream(S2)
+    gc.collect()
+    assert watch() is None and _core._pending_releases()["pending"] == 0
+    assert sum(call.startswith("cudaEventRecord") for call in late.log()) == 1
+
+
 @pytest.mark.parametrize("refused", ["cudaEventRecord", "cudaEventQuery"])
 def test_a_views_release_made_without_its_event_still_orders_the_export_it_held(late, refused):
     """A view of our own export for S2 whose release is made without its event having completed (the record of
