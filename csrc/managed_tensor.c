@@ -12,7 +12,12 @@ const char cdl_capsule_name_versioned[] = "dltensor_versioned";
 static const char cdl_used_name_legacy[] = "used_dltensor";
 static const char cdl_used_name_versioned[] = "used_dltensor_versioned";
 
-void cdl_managed_delete(cdl_managed *managed)
+typedef struct cdl_export_block cdl_export_block;
+static void cdl_release_block(cdl_export_block *block);
+
+/* Deletes the tensor: by its deleter, or where own is its block (our own export, its release covered already),
+ * by releasing that block. */
+static void cdl_managed_delete_as(cdl_managed *managed, cdl_export_block *own)
 {
     if (managed->pointer == NULL)
         return;
@@ -21,7 +26,10 @@ void cdl_managed_delete(cdl_managed *managed)
     cdl_pending_error pending;
     if (stash)
         cdl_error_stash(&pending);
-    if (managed->versioned) {
+    if (own != NULL) {
+        cdl_release_block(own);
+    }
+    else if (managed->versioned) {
         DLManagedTensorVersioned *m = managed->pointer;
         if (m->deleter)
             m->deleter(m);
@@ -36,10 +44,12 @@ void cdl_managed_delete(cdl_managed *managed)
         cdl_error_unstash(&pending);
 }
 
+void cdl_managed_delete(cdl_managed *managed) { cdl_managed_delete_as(managed, NULL); }
+
 /* ---- our export ---------------------------------------------------------------------------------- */
 
 /* One allocation per export: the managed tensor, the references it holds, then shape and strides. */
-typedef struct {
+struct cdl_export_block {
     union {
         DLManagedTensor legacy;
         DLManagedTensorVersioned versioned;
@@ -58,7 +68,7 @@ typedef struct {
     PyInterpreterState *interpreter;
     int keepable; /* made with room for CDL_KEPT_NDIM dimensions: may be kept for the next export */
     int64_t dims[];
-} cdl_export_block;
+};
 
 /* A few freed blocks with room for the common dimension counts are kept for the next export, which then costs
  * no allocation. Only where a GIL guards them: the list is touched exactly where PyMem_Malloc and PyMem_Free
@@ -203,21 +213,9 @@ static void cdl_managed_delete_now(void *argument)
          * that stream when the view (the tensor's one holder) was dropped completed: it covers the tensor's
          * release too, no second one. Made for any other reason (a refused record or query), the tensor's own
          * deleter orders it. */
-        cdl_export_block *block =
-            cdl_release_reached(later) ? cdl_own_block_ordered_at(&later->managed, &later->at) : NULL;
-        if (block != NULL) {
-            /* (its owner's finalizers must not see, or clear, an exception already set) */
-            const int stash = PyErr_Occurred() != NULL;
-            cdl_pending_error pending;
-            if (stash)
-                cdl_error_stash(&pending);
-            cdl_release_block(block);
-            if (stash)
-                cdl_error_unstash(&pending);
-        }
-        else {
-            cdl_managed_delete(&later->managed);
-        }
+        cdl_managed_delete_as(&later->managed, cdl_release_reached(later)
+                                                   ? cdl_own_block_ordered_at(&later->managed, &later->at)
+                                                   : NULL);
         cdl_interpreter_leave(&scope);
     }
     /* Else the producer's deleter is not called: it may need the interpreter that is going. */
