@@ -23,7 +23,7 @@ static void cdl_managed_delete_as(cdl_managed *managed, cdl_export_block *own)
         return;
     /* The deleter may run Python code, which must not see (or clear) an exception already set. */
     const int stash = PyErr_Occurred() != NULL;
-    cdl_pending_error pending;
+    cdl_pending_error pending = {0}; /* (set when stash is; gcc 12 at -O3 cannot tell) */
     if (stash)
         cdl_error_stash(&pending);
     if (own != NULL) {
