@@ -461,6 +461,32 @@ def test_a_captured_conversion_is_kept_until_its_stream_left_the_capture_and_lea
     assert watch() is None and _core._pending_releases()["pending"] == 0
 
 
+def test_past_the_bound_a_release_still_without_an_event_is_passed_over_for_the_oldest_with_one(late):
+    """The oldest pending release, dropped while its stream (S1) captures, has no event yet: one drop past the bound
+    waits for the oldest release that has one (the first of S2's) and leaves the captured one pending, its capture
+    whole."""
+    capture = late.begin_capture(S1, 0, GLOBAL)
+    limit = _core._pending_releases()["limit"]
+    host = np.zeros(limit + 1, dtype=np.float32)
+    register(late, host, DEVICE)
+    captured = CaiArray(host[0:1])
+    watch_captured = weakref.ref(captured)
+    consume(cai2dlpack(captured, stream=S1, max_version=(1, 0)))[1]()
+    late.launch_kernel(S2, lambda: None)
+    first = CaiArray(host[1:2])
+    watch_first = weakref.ref(first)
+    consume(cai2dlpack(first, stream=S2, max_version=(1, 0)))[1]()
+    del captured, first
+    waited = _core._pending_releases()["waited"]
+    for i in range(2, limit + 1):
+        consume(cai2dlpack(CaiArray(host[i:i + 1]), stream=S2, max_version=(1, 0)))[1]()
+    gc.collect()
+    info = _core._pending_releases()
+    assert info["pending"] == limit and info["waited"] == waited + 1
+    assert watch_captured() is not None and watch_first() is None
+    assert late.violations == 0 and late.end_capture(capture)
+
+
 def test_collecting_releases_leaves_another_threads_global_capture_whole(late):
     """Event queries are prohibited while another thread captures in global mode (PyTorch's default): the
     pending releases are queried in relaxed mode."""
