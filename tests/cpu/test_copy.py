@@ -15,6 +15,7 @@ import pytest
 from numpy.lib.array_utils import byte_bounds
 
 from cai_dlpack import CudaError, DLPackShim, UnsupportedArrayError, cai2dlpack, cuda_runtime_info, dlpack2cai
+from support.c_heap import c_heap_bytes
 from support.threads import run_threads
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST
@@ -1034,33 +1035,6 @@ def test_device_copy_whose_devices_scope_cannot_be_left_raises_and_frees_the_cop
         DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
     log = cudart.log()
     assert any(line.startswith("cudaMemcpyAsync") for line in log) and freed(log) == 1
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def c_heap_bytes():
-    """Bytes the C heap has handed out and not taken back (glibc's mallinfo2: small blocks and mapped ones), or
-    None where it cannot say (no mallinfo2, or an allocator such as ASan's that does not fill it in)."""
-    libc = ctypes.CDLL(None)
-    if not hasattr(libc, "mallinfo2"):
-        return None
-    libc.mallinfo2.restype = _MallInfo2
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-
-    def used():
-        info = libc.mallinfo2()
-        return info.uordblks + info.hblkhd
-
-    before = used()
-    probe = libc.malloc(1 << 20)
-    counted = used() - before >= 1 << 20
-    libc.free(probe)
-    return used() if counted else None
 
 
 def test_staged_host_copy_whose_devices_scope_cannot_be_entered_frees_its_staging(cudart):

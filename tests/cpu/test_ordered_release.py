@@ -18,6 +18,7 @@ import pytest
 
 from cai_dlpack import DLPackShim, _core, cai2dlpack, cuda_runtime_info, dlpack2cai
 from support import doors
+from support.c_heap import c_heap_bytes
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST, RELAXED, THREAD_LOCAL
 from support.dlpack_ctypes import DLManagedTensor, DLManagedTensorVersioned, MadeTensor, _api, kDLCUDA
@@ -438,6 +439,30 @@ def test_a_views_release_made_without_its_event_still_orders_the_export_it_held(
     late.run_stream(S2)
     np.testing.assert_array_equal(seen[0], ORIGINAL)
     del later
+
+
+def test_ordered_releases_give_their_bookkeeping_back(late):
+    """Releases kept until their stream ran, then made, give back the C memory that kept them (the pending entry, a
+    view's record of its tensor): the C heap does not grow over thousands of them."""
+    if c_heap_bytes() is None:
+        pytest.skip("this C library cannot say how much of its heap is in use (mallinfo2)")
+    host = np.zeros(500, dtype=np.float32)
+    register(late, host, DEVICE)
+
+    def releases():
+        late.launch_kernel(S2, lambda: None)
+        for i in range(500):
+            dropped_with_a_view(CaiArray(host[i:i + 1]))()
+            dropped_by_a_consumer(CaiArray(host[i:i + 1]))()
+        assert _core._pending_releases()["pending"] == 1000
+        drain(late)
+        gc.collect()
+
+    releases()
+    before = c_heap_bytes()
+    for _ in range(4):
+        releases()
+    assert c_heap_bytes() - before < 32 * 1024  # a lost entry or record is 48-96 bytes: 200-400 KiB
 
 
 def test_a_captured_conversion_is_kept_until_its_stream_left_the_capture_and_leaves_the_capture_whole(late):
