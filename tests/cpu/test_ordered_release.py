@@ -857,35 +857,54 @@ def test_a_refused_host_function_leaves_the_release_to_the_next_collection_and_n
     assert _core._pending_releases()["pending"] == 0 and watch() is None
 
 
-def test_a_copys_source_released_on_a_thread_with_no_python_state_gives_the_gil_back():
-    """A device copy's source is released by whichever collection first finds its copy ran: here one made by a
-    tensor dropped on a thread that never ran Python (the host function that would have scheduled the collection
-    was refused). That thread takes the GIL for the release and gives it back: the process goes on. Own process:
-    a thread that ended holding the GIL would hang this one."""
+# What a collection on another thread releases: made for S2 from x, with the call that schedules its collection
+# refused (its kept handle, if any, in `held`).
+HELD_FOR_S2 = {
+    "a device copy's source": """
+double.fail("cudaLaunchHostFunc", 2)
+held = Taken(DLPackShim(x).__dlpack__(stream=S2, copy=True, max_version=(1, 0)))
+""",
+    "a view's producer": """
+views = [dlpack2cai(DLPackShim(x), stream=S2)]
+double.launch_kernel(S2, lambda: None)
+double.fail("cudaLaunchHostFunc", 2)
+views.clear()
+held = None
+""",
+}
+
+
+@pytest.mark.parametrize("what", HELD_FOR_S2)
+def test_a_release_made_on_a_thread_with_no_python_state_gives_the_gil_back(what):
+    """A release is made by whichever collection first finds its stream ran: here one made by a tensor dropped on a
+    thread that never ran Python (the host function that would have scheduled the collection was refused). That
+    thread takes the GIL for the release and gives it back: the process goes on. Own process: a thread that ended
+    holding the GIL would hang this one."""
     out = run_with_double(f"""
-        import ctypes, gc, weakref
-        from test_ordered_release import Taken
-        from cai_dlpack import DLPackShim, _core
-        double.add_stream({S1}, 0)
-        double.add_stream({S2}, 0)
-        double.late = True
-        block, other = np.arange(8, dtype=np.float32), np.arange(8, dtype=np.float32)
-        register(double, block, DEVICE)
-        register(double, other, DEVICE)
-        x = CaiArray(block, stream={S1})
-        watch = weakref.ref(x)
-        double.fail("cudaLaunchHostFunc", 2)  # the copy's release schedules no collection
-        copy = Taken(DLPackShim(x).__dlpack__(stream={S2}, copy=True, max_version=(1, 0)))
-        dropped = Taken(DLPackShim(CaiArray(other, stream={S1})).__dlpack__(stream={S2}, max_version=(1, 0)))
-        del x
-        gc.collect()
-        double.run_stream({S2})
-        print("kept" if watch() is not None else "gone")
-        double.lib.double_call_in_thread.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        assert double.lib.double_call_in_thread(dropped.deleter, dropped.address) == 0
-        print("released" if watch() is None else "kept", _core._pending_releases()["pending"])
-        copy.drop()
-    """, timeout=30)
+import ctypes, gc, weakref
+from test_ordered_release import Taken
+from cai_dlpack import DLPackShim, _core, dlpack2cai
+S1, S2 = {S1}, {S2}
+double.add_stream(S1, 0)
+double.add_stream(S2, 0)
+double.late = True
+block, other = np.arange(8, dtype=np.float32), np.arange(8, dtype=np.float32)
+register(double, block, DEVICE)
+register(double, other, DEVICE)
+x = CaiArray(block, stream=S1)
+watch = weakref.ref(x)
+dropped = Taken(DLPackShim(CaiArray(other, stream=S1)).__dlpack__(stream=S2, max_version=(1, 0)))
+""" + HELD_FOR_S2[what] + """
+del x
+gc.collect()
+double.run_stream(S2)
+print("kept" if watch() is not None else "gone")
+double.lib.double_call_in_thread.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+assert double.lib.double_call_in_thread(dropped.deleter, dropped.address) == 0
+print("released" if watch() is None else "kept", _core._pending_releases()["pending"])
+if held is not None:
+    held.drop()
+""", timeout=30)
     assert out == ["kept", "released", "1"]
 
 
