@@ -921,10 +921,10 @@ class ForeignProducer:
         return self.made.capsule
 
 
-@pytest.mark.parametrize("consumer", [S2, -1])
+@pytest.mark.parametrize("consumer", [S2, 1, -1], ids=["a stream", "the legacy stream", "no stream"])
 def test_a_foreign_tensor_a_view_held_is_deleted_after_its_consumers_work(late, consumer):
-    """A view of another library's tensor, dropped while work queued on the view's stream has not run: that
-    library's deleter runs once the work ran (at once for stream -1, which orders nothing)."""
+    """A view of another library's tensor, dropped while work queued on the view's stream (the legacy one too) has
+    not run: that library's deleter runs once the work ran (at once for stream -1, which orders nothing)."""
     block = np.arange(N, dtype=np.float32)
     register(late, block, DEVICE)
     producer = ForeignProducer(block)
