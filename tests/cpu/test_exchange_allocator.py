@@ -233,6 +233,24 @@ def test_each_kind_of_memory_is_made_and_freed_by_its_own_call(cudart, device, m
     assert calls == [made, freed]
 
 
+@pytest.mark.parametrize("device", [(CUDA, 0), (PINNED, 0), (MANAGED, 0)], ids=["device", "pinned", "managed"])
+@pytest.mark.parametrize("refused", [False, True], ids=["freed", "free refused"])
+def test_freeing_a_made_tensor_leaves_the_runtimes_last_error_as_it_found_it(cudart, device, refused):
+    """The deleter of a tensor the allocator made frees its memory and leaves the runtime's last error as another
+    library left it: untouched when the free works, and with nothing of its own when the runtime refuses it."""
+    tensor = doors.allocate((2, 32, 1), [4], device)
+    if refused:
+        cudart.fail("cudaFreeHost" if device[0] == PINNED else "cudaFree", 1)
+        tensor.delete()
+        assert cudart.last_error == 0
+    else:
+        assert cudart.lib.cudaSetDevice(99) != 0  # another library's failure, left pending
+        pending = cudart.last_error
+        tensor.delete()
+        assert cudart.last_error == pending != 0
+        cudart.lib.cudaGetLastError()
+
+
 @pytest.mark.parametrize("dtype", [(1, 1, 1), (1, 9, 1), (6, 1, 1), (2, 4, 1)], ids=["u1", "u9", "bool1", "f4"])
 def test_a_type_of_a_few_bits_takes_whole_bytes(cudart, dtype):
     """Bits round up to whole bytes per item (DLPack's (bits * lanes + 7) / 8): a 1-bit type takes a byte an item,
