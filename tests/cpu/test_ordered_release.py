@@ -465,6 +465,51 @@ def test_ordered_releases_give_their_bookkeeping_back(late):
     assert c_heap_bytes() - before < 32 * 1024  # a lost entry or record is 48-96 bytes: 200-400 KiB
 
 
+def with_another_librarys_error_pending(cudart, work):
+    """Runs work with an error another library left pending in the runtime; whether it is still there, as it was."""
+    assert cudart.lib.cudaSetDevice(99) != 0
+    pending = cudart.last_error
+    work()
+    still = cudart.last_error == pending != 0
+    cudart.lib.cudaGetLastError()
+    return still
+
+
+def view_exporting_its_stream_then_dropped(late):
+    """A view for S2 whose CAI exports its stream (an event of its own), read, then dropped once S2 ran."""
+    block = np.arange(N, dtype=np.float32)
+    register(late, block, DEVICE)
+    view = dlpack2cai(DLPackShim(CaiArray(block, stream=S1)), stream=2)
+    assert view.__cuda_array_interface__["stream"] is not None
+    del view
+    drain(late)
+
+
+def device_copy_made_and_dropped(late):
+    block = np.arange(N, dtype=np.float32)
+    register(late, block, DEVICE)
+    consume(DLPackShim(CaiArray(block, stream=S1)).__dlpack__(stream=S2, copy=True, max_version=(1, 0)))[1]()
+    drain(late)
+
+
+def more_releases_at_once_than_events_kept(late):
+    """80 releases pending at once, then made: their events go back to a pool of 64, the rest destroyed."""
+    block = np.arange(80, dtype=np.float32)
+    register(late, block, DEVICE)
+    late.launch_kernel(S2, lambda: None)
+    for i in range(80):
+        dropped_by_a_consumer(CaiArray(block[i:i + 1], stream=S1))()
+    drain(late)
+
+
+@pytest.mark.parametrize("work", [view_exporting_its_stream_then_dropped, device_copy_made_and_dropped,
+                                  more_releases_at_once_than_events_kept])
+def test_runtime_calls_that_work_leave_another_librarys_error_pending(late, work):
+    """Each path that asks the runtime for something and clears the runtime's last error where the call failed
+    leaves an error another library left pending as it was where every call worked."""
+    assert with_another_librarys_error_pending(late, lambda: work(late))
+
+
 def test_a_captured_conversion_is_kept_until_its_stream_left_the_capture_and_leaves_the_capture_whole(late):
     """An event recorded in a capture is a node of the graph, not a point in time: a tensor dropped while its
     consumer stream captures records nothing (the capture stays valid) and stays pending, with no event, until a
