@@ -311,23 +311,34 @@ sys.unraisablehook = lambda unraisable: notes.append((unraisable.exc_type, str(u
 def test_deleter_called_on_a_thread_a_legacy_subinterpreter_started_frees_in_the_main_interpreter(call):
     """A C consumer in a (legacy) subinterpreter drops a tensor of the main interpreter on a thread the
     subinterpreter started, the GIL let go (CFUNCTYPE) or held (PYFUNCTYPE: the thread attached to the
-    subinterpreter): the owner is freed in the main interpreter, under a thread state made for the release, and
-    the thread then goes on running Python in its own interpreter."""
+    subinterpreter): the owner is freed in the main interpreter, under a thread state made for the release and
+    cleared after it, and the thread then goes on running Python in its own interpreter."""
     drop = f"ctypes.{call}(None, ctypes.c_void_p)(deleter)(address)"
     result = run_script(LEGACY_SUBINTERPRETER + f"""
+import threading
 ref, deleter, address = consumed_tensor(4096)
 number = lambda found: int(found[0] if isinstance(found, tuple) else found)  # 3.13's is (id, whence)
-freed_in = []
-weakref.finalize(ref(), lambda: freed_in.append(number(interpreters.get_current())))
+freed_in, local, kept = [], threading.local(), []
+
+class Kept:
+    pass
+
+def freed():  # what the owner's release runs: where, and a thread-local value of the thread state it runs under
+    freed_in.append(number(interpreters.get_current()))
+    local.value = Kept()
+    kept.append(weakref.ref(local.value))
+
+weakref.finalize(ref(), freed)
 error = run(f"import ctypes, threading; done = []; deleter, address = {{deleter}}, {{address}}; "
             "t = threading.Thread(target=lambda: ({drop}, done.append(sum(range(10))))); "
             "t.start(); t.join(); print('after', done, flush=True)")
 assert error is None, error
-print("released" if ref() is None else "kept", freed_in == [number(interpreters.get_main())])
+print("released" if ref() is None else "kept", freed_in == [number(interpreters.get_main())], kept[0]() is None)
 interpreters.destroy(interp)
 """)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["after", "[45]", "released", "True"]  # freed in the main interpreter
+    # freed in the main interpreter, under a thread state cleared after (its thread-local values freed with it)
+    assert result.stdout.split() == ["after", "[45]", "released", "True", "True"]
 
 
 @pytest.mark.skipif(bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
