@@ -161,9 +161,27 @@ def test_search_order_is_reported_when_nothing_is_found(tmp_path):
 def test_runtime_inside_nvidia_wheels_is_found(tmp_path, inside):
     """The copy of libcudart inside NVIDIA's pip wheels (nvidia/cu13/lib for CUDA 13, nvidia/cuda_runtime/lib for
     CUDA 12) is found without any setting when the loader has none."""
+    assert_wheel_runtime_found(tmp_path, tmp_path / "site", inside)
+
+
+def test_runtime_inside_nvidia_wheels_at_the_longest_path_the_loader_holds_is_found(tmp_path):
+    """Wheels installed deep enough that the runtime's path is 1,023 characters long, the most the loader's path
+    buffer holds with its terminator: the runtime is still found there."""
+    inside = "cu13/lib/libcudart.so.13"
+    out_dir = tmp_path / "site"
+    left = 1023 - len(str(out_dir / "nvidia" / inside))
+    while left > 256:  # folder names of 200 characters (each adds a separator), then one of what is left
+        out_dir, left = out_dir / ("d" * 200), left - 201
+    out_dir = out_dir / ("e" * (left - 1))
+    assert len(str(out_dir / "nvidia" / inside)) == 1023
+    assert_wheel_runtime_found(tmp_path, out_dir, inside)
+
+
+def assert_wheel_runtime_found(tmp_path, out_dir, inside):
+    """A copy of the double as the runtime of an NVIDIA wheel (out_dir/nvidia/inside, out_dir first on the path):
+    found and used, with no setting and nothing else for the loader to find."""
     import shutil
 
-    out_dir = tmp_path / "site"
     lib = out_dir / "nvidia" / inside
     lib.parent.mkdir(parents=True)
     shutil.copy(os.environ["CAI_DLPACK_CUDART"], lib)
