@@ -442,8 +442,9 @@ def test_a_views_release_made_without_its_event_still_orders_the_export_it_held(
 
 
 def test_ordered_releases_give_their_bookkeeping_back(late):
-    """Releases kept until their stream ran, then made, give back the C memory that kept them (the pending entry, a
-    view's record of its tensor): the C heap does not grow over thousands of them."""
+    """Releases kept until their stream ran, then made, and releases made at once on a stream with nothing left to
+    run give back the C memory that kept them (the pending entry, a view's record of its tensor): the C heap does
+    not grow over thousands of them."""
     if c_heap_bytes() is None:
         pytest.skip("this C library cannot say how much of its heap is in use (mallinfo2)")
     host = np.zeros(500, dtype=np.float32)
@@ -456,6 +457,11 @@ def test_ordered_releases_give_their_bookkeeping_back(late):
             dropped_by_a_consumer(CaiArray(host[i:i + 1]))()
         assert _core._pending_releases()["pending"] == 1000
         drain(late)
+        late.late = False  # streams run their work at once: each release made at once, its event complete
+        for i in range(500):
+            dropped_by_a_consumer(CaiArray(host[i:i + 1]))()
+        late.late = True
+        assert _core._pending_releases()["pending"] == 0
         gc.collect()
 
     releases()
