@@ -349,16 +349,8 @@ static void cdl_push_oldest(cdl_pending *entry)
  * that may queue one more, and so on down the list (a host wait and a level of recursion each). */
 static _Thread_local int cdl_releasing;
 
-static void cdl_release_entry(cdl_pending *entry)
-{
-    cdl_releasing++;
-    entry->release(entry->argument);
-    cdl_releasing--;
-    free(entry);
-}
-
-/* entry's event has completed: its event goes back, its release is made. */
-/* The argument of the release this thread is making because its event completed, or NULL. */
+/* The argument of the release this thread is making because its event completed, or NULL: set for each release
+ * made, whatever its nesting (a release a release makes answers for itself, never for the one around it). */
 static _Thread_local const void *cdl_reached_argument;
 
 int cdl_release_reached(const void *argument)
@@ -366,13 +358,28 @@ int cdl_release_reached(const void *argument)
     return argument != NULL && argument == cdl_reached_argument;
 }
 
+static void cdl_call_release(cdl_release_fn release, void *argument, int reached)
+{
+    const void *outer = cdl_reached_argument;
+    cdl_reached_argument = reached ? argument : NULL;
+    release(argument);
+    cdl_reached_argument = outer;
+}
+
+/* Makes a release taken from the pending list (reached: because its event completed), and frees its entry. */
+static void cdl_release_entry(cdl_pending *entry, int reached)
+{
+    cdl_releasing++;
+    cdl_call_release(entry->release, entry->argument, reached);
+    cdl_releasing--;
+    free(entry);
+}
+
+/* entry's event has completed, or erred (entry->reached says which): its event goes back, its release is made. */
 static void cdl_finish(const cdl_cudart *rt, cdl_pending *entry)
 {
     cdl_give_event(rt, entry->key, entry->event);
-    const void *outer = cdl_reached_argument;
-    cdl_reached_argument = entry->reached ? entry->argument : NULL;
-    cdl_release_entry(entry);
-    cdl_reached_argument = outer;
+    cdl_release_entry(entry, entry->reached);
 }
 
 /* Run by the interpreter soon after a release was queued and when a stream reaches a release's event
@@ -456,7 +463,7 @@ void cdl_release_after(const cdl_release_point *point, cdl_release_fn release, v
         recorded = cdl_record_release(rt, point, entry);
     if (recorded == CDL_RELEASE_NOW) {
         free(entry);
-        release(argument);
+        cdl_call_release(release, argument, 0);
         return;
     }
     entry->point = *point;
@@ -580,7 +587,7 @@ void cdl_release_completed(void)
         if (done->recorded)
             cdl_finish(rt, done);
         else
-            cdl_release_entry(done);
+            cdl_release_entry(done, 0);
         done = next;
     }
     if (made > 0 && cdl_releasing == 0)

@@ -516,6 +516,56 @@ def test_runtime_calls_that_work_leave_another_librarys_error_pending(late, work
     assert with_another_librarys_error_pending(late, lambda: work(late))
 
 
+def test_a_view_released_at_once_inside_a_completed_release_at_its_address_still_orders_its_export(late):
+    """A release made because its event completed (an owner's block, freed first, then its owner dropped) runs a
+    finalizer that drops a view of another export for S2 whose record the runtime refuses: made at once, that
+    view's release holds a record malloc'd where the freed block was. It answers for itself, not as the completed
+    release around it: its export is still ordered, and outlives the kernel queued before the drop."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    pool, seen, made = Pool(late), [], {}
+    x = pool.take(ORIGINAL)
+    made["view"] = dlpack2cai(DLPackShim(x), stream=S2)
+    address = made["view"].__cuda_array_interface__["data"][0]
+    del x
+
+    class Owner(Holding):
+        def __del__(self):
+            held = []  # small blocks taken until the C heap hands out the freed block's address, given back once
+            for _ in range(1_000_000):
+                block = libc.malloc(48)
+                if block == made["block"]:
+                    made["reused"] = True
+                    libc.free(block)
+                    break
+                held.append(block)
+            late.launch_kernel(S2, lambda: seen.append(read(address)))
+            late.fail("cudaEventRecord", 999)
+            del made["view"]
+            for block in held:
+                libc.free(block)
+
+    host = np.zeros((1,) * 63 + (N,), dtype=np.float32)  # 64 dimensions: a block of its own from the C heap
+    register(late, host, DEVICE)
+    owner = Owner(host)
+    late.launch_kernel(S2, lambda: None)
+    taken = Taken(cai2dlpack(owner, stream=S2, max_version=(1, 0)))
+    made["block"] = taken.address
+    taken.drop()
+    del owner
+    gc.collect()
+    late.run_stream(S2)
+    _core._pending_releases()  # the owner's release, its event completed: its finalizer drops the view
+    if not made.get("reused"):
+        pytest.skip("this C heap did not hand the freed block's address out again (the case needs it)")
+    later = pool.take(NEXT)
+    late.run_stream(S2)
+    np.testing.assert_array_equal(seen[0], ORIGINAL)
+    del later
+
+
 def test_a_captured_conversion_is_kept_until_its_stream_left_the_capture_and_leaves_the_capture_whole(late):
     """An event recorded in a capture is a node of the graph, not a point in time: a tensor dropped while its
     consumer stream captures records nothing (the capture stays valid) and stays pending, with no event, until a
