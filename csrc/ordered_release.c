@@ -31,6 +31,9 @@ static _Atomic Py_ssize_t cdl_pending_waits;
 static _Atomic int cdl_pending_call_scheduled;
 /* The test-only switch (_set_ordered_release): 0 releases at once, as before ordered release existed. */
 static _Atomic int cdl_ordered_release_enabled = 1;
+/* Set once the exit handler starts: from then on nothing waits for the bound (a stream still holding a release
+ * after the handler's time may never get there, and a wait for it would hang the exit). */
+static _Atomic int cdl_exiting;
 
 /* Events whose release was made, kept for the next release in their context (a create per release would
  * cost a call and an event each), under cdl_pending_lock. */
@@ -416,10 +419,10 @@ static void cdl_schedule_collection(void)
  * CDL_PENDING_LIMIT wait: memory held back stays bounded (but for releases whose stream captures: they have
  * nothing to wait for yet). A release made here may queue more (counted by the next turn); a wait the runtime
  * refuses (a capture prohibits it, or any error) keeps that release pending, never made before its stream ran,
- * and ends the turns. Only outside any release of this thread's. */
+ * and ends the turns. Only outside any release of this thread's, and never once exit began (cdl_exiting). */
 static void cdl_hold_to_bound(const cdl_cudart *rt)
 {
-    while (cdl_pending_count > CDL_PENDING_LIMIT) {
+    while (cdl_pending_count > CDL_PENDING_LIMIT && !cdl_exiting) {
         cdl_pending *oldest = NULL, *before = NULL;
         cdl_lock_acquire(&cdl_pending_lock);
         if (cdl_pending_count > CDL_PENDING_LIMIT) {
@@ -641,6 +644,7 @@ static PyObject *cdl_release_pending_at_exit(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     const long long deadline = cdl_now_ns() + CDL_EXIT_WAIT_NS;
+    cdl_exiting = 1;
     cdl_release_completed();
     while (cdl_pending_count > 0 && cdl_now_ns() < deadline) {
         Py_BEGIN_ALLOW_THREADS
