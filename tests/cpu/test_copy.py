@@ -482,6 +482,21 @@ def test_device_copy_refusal_lists_strides_while_its_text_is_short(cudart):
     assert f"element strides ({listed}, {strides[27]}) would take more than" in str(refused.value)
 
 
+def test_device_copy_refusal_lists_no_stride_past_376_characters(cudart):
+    """The edge of the same rule: where the strides listed come to exactly 376 characters (27 of them here), the
+    list stops there; a 28th would have to be cut short in the text's 400 bytes."""
+    strides = [10**11 + 7] + [10**11 + 1000 * i + 3 for i in range(1, 40)]  # bytes of |u1 items: never merged
+    listed = ", ".join(map(str, strides[:27]))
+    assert len(listed) == 376
+    pointer = 0x7E00_0000_0000
+    cudart.add_region(pointer, sum(strides) + 1, DEVICE, 0)
+    obj = InstanceInterface({"shape": (2,) * 40, "typestr": "|u1", "strides": tuple(strides),
+                             "data": (pointer, False), "version": 3, "stream": None})
+    with pytest.raises(BufferError) as refused:
+        DLPackShim(obj).__dlpack__(copy=True)
+    assert f"element strides ({listed}) would take more than" in str(refused.value)
+
+
 @pytest.mark.parametrize("call", ["cudaMemcpyAsync", "cudaMemcpy2DAsync"])
 def test_failed_device_copy_frees_its_allocation(cudart, call):
     source, obj = device_source(cudart, "contiguous" if call == "cudaMemcpyAsync" else "strided")
@@ -1011,6 +1026,28 @@ def test_large_host_copies_release_the_gil_small_ones_keep_it():
         assert any(others_ran_during(copies(released)) for _ in range(3))
     for kept in (below, small):
         assert not others_ran_during(copies(kept))
+
+
+# Host copies of 64 KiB or more (csrc/copy.c: CDL_COPY_RELEASE_GIL_BYTES), gathered with the GIL released.
+LARGE_LAYOUTS = {
+    "contiguous": lambda: np.arange(256 * 512, dtype=np.float64).reshape(256, 512),
+    "strided": lambda: np.arange(256 * 1024, dtype=np.float64).reshape(256, 1024)[:, ::2],
+    "negative and transposed": lambda: np.arange(512 * 300, dtype=np.int32).reshape(512, 300)[::-1, ::-3].T,
+    "at the threshold": lambda: (np.arange(2 * 65536) % 251).astype(np.uint8)[::2],
+}
+
+
+@pytest.mark.parametrize("layout", LARGE_LAYOUTS)
+def test_large_host_copy_holds_the_sources_values(layout):
+    """A host copy large enough to be gathered without the GIL holds every value of its source, C-contiguous,
+    whatever the source's strides (the layouts above are each 64 KiB or more)."""
+    source = LARGE_LAYOUTS[layout]()
+    assert source.nbytes >= 65536
+    capsule = DLPackShim(source).__dlpack__(copy=True, max_version=(1, 0))
+    fields = read_capsule(capsule)
+    assert fields["strides"] == contiguous_strides(source.shape)
+    np.testing.assert_array_equal(host_values(fields, source.dtype), source)
+    np.testing.assert_array_equal(np.from_dlpack(DLPackShim(source), copy=True), source)
 
 
 def test_device_copy_whose_devices_scope_cannot_be_left_raises_and_frees_the_copy(cudart):
