@@ -1313,3 +1313,65 @@ def test_at_most_64_events_are_kept_for_later_releases():
         print(double.events_alive - alive)
     """)
     assert out == ["63"]  # 64 kept, one of which the first release kept already
+
+
+@pytest.mark.parametrize("streams, asked_again", [(16, 0), (17, 1)])
+def test_a_collection_passes_over_later_releases_of_sixteen_busy_streams_at_most(late, streams, asked_again):
+    """Two releases wait on each of several streams, none of which has run. A collection asks the first release of
+    each stream and passes over the second without asking (events of one stream complete in order), for up to 16
+    busy streams, which is all it keeps track of: the second release on a 17th stream is asked again (one event
+    query more), and nothing is written past that table."""
+    handles = [0x7000 + 0x100 * i for i in range(streams)]
+    for handle in handles:
+        late.add_stream(handle, 0)
+    x = Pool(late).take(ORIGINAL)
+
+    def drop_one_on_each_stream():
+        for handle in handles:
+            consume(DLPackShim(x).__dlpack__(stream=handle, max_version=(1, 0)))[1]()
+
+    def calls_of_a_collection():
+        # The fewest of three: a collection the interpreter runs on its own (the pending call) only adds calls.
+        counts = []
+        for _ in range(3):
+            before = late.calls
+            _core._pending_releases()
+            counts.append(late.calls - before)
+        return min(counts)
+
+    drop_one_on_each_stream()
+    one_each = calls_of_a_collection()
+    drop_one_on_each_stream()
+    two_each = calls_of_a_collection()
+    assert _core._pending_releases()["pending"] == 2 * streams
+    assert two_each - one_each == asked_again
+
+
+EXIT_WITH_NOTHING_PENDING_SCRIPT = textwrap.dedent("""
+    import gc, sys, threading, time
+    import cai_dlpack
+    exit_handler, = [f for f in gc.get_objects()
+                     if callable(f) and getattr(f, "__name__", None) == "_release_pending_at_exit"]
+    go, ran = threading.Event(), []
+    def other():
+        go.wait()
+        ran.append(True)  # needs the GIL
+    thread = threading.Thread(target=other)
+    sys.setswitchinterval(1000.0)
+    thread.start()
+    go.set()
+    spin = time.perf_counter() + 0.05
+    while time.perf_counter() < spin:  # holding the GIL: the other thread is woken and waits for it
+        pass
+    exit_handler()
+    print("pending", cai_dlpack._core._pending_releases()["pending"], "others-ran", bool(ran), flush=True)
+    sys.setswitchinterval(0.005)
+    thread.join(10)
+""")
+
+
+def test_exit_with_nothing_pending_does_not_wait():
+    """With no release pending, the exit handler returns at once: it never polls, and so never lets the GIL go (its
+    wait polls without the GIL), and a thread waiting for the GIL does not run during it. Called directly, in a
+    fresh process (the handler also stops scheduling collections for the rest of the process)."""
+    assert child_output(EXIT_WITH_NOTHING_PENDING_SCRIPT) == ["pending", "0", "others-ran", "False"]
