@@ -271,6 +271,28 @@ def test_past_the_bound_the_oldest_release_waits_for_its_stream(late, dropped):
     assert info["pending"] == limit
 
 
+@pytest.mark.parametrize("dropped", ["dropped_by_a_consumer", "dropped_with_a_view"])
+def test_the_wait_past_the_bound_lets_the_gil_go(dropped):
+    """The host wait for the oldest release is made with the GIL let go, whether the drop came with it held (a
+    view) or not (a C consumer's deleter): other threads run while the device catches up. Own process: once a
+    subinterpreter exists, CPython's GIL check always answers yes."""
+    out = run_with_double(f"""
+from test_ordered_release import {dropped}
+from cai_dlpack import _core
+double.add_stream({S2}, 0)
+double.late = True
+limit = _core._pending_releases()["limit"]
+host = np.zeros(limit + 1, dtype=np.float32)
+register(double, host, DEVICE)
+for i in range(limit):
+    {dropped}(CaiArray(host[i:i + 1]))()
+print(double.gil_at_event_sync, _core._pending_releases()["waited"])
+{dropped}(CaiArray(host[limit:]))()
+print(double.gil_at_event_sync, _core._pending_releases()["waited"])
+""")
+    assert out == ["-1", "0", "0", "1"]
+
+
 def test_views_dropped_one_after_another_past_the_bound_stay_at_the_bound(late):
     """Twice CDL_PENDING_LIMIT views dropped while their stream never runs: from the bound on, each drop waits for
     the oldest and no more than the bound ever waits (the releases those make add none)."""

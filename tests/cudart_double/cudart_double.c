@@ -2,6 +2,8 @@
  * it answers pointer-attribute queries from a table the tests fill, fakes devices, events and stream
  * capture (CUDA graphs), records every call in a log, and fails chosen calls on request. Driven from
  * Python by ctypes. */
+#define _GNU_SOURCE /* RTLD_DEFAULT */
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -160,6 +162,10 @@ static int late;
 static unsigned event_recorded[MAX_EVENTS], event_reached[MAX_EVENTS]; /* records issued, records run */
 static uintptr_t event_queue[MAX_EVENTS]; /* the stream of the event's latest record */
 static int sync_calls; /* calls that wait for the device */
+/* Whether the caller of the last cudaEventSynchronize held the GIL (PyGILState_Check of the process's Python: 1
+ * or 0), -1 before any. A host wait must let the GIL go; meaningless once a subinterpreter exists (the check
+ * then always answers 1), so read it in a fresh process. */
+static int gil_at_event_sync = -1;
 static unsigned long calls; /* every runtime and driver call (the log's entries and the unlogged queries) */
 #define MAX_ALLOCATIONS 256
 static struct { void *pointer; size_t size; int free; } allocations[MAX_ALLOCATIONS];
@@ -1264,7 +1270,10 @@ API cudaError_t cudaEventQuery(cudaEvent_t event)
 /* Waits for the event: its stream (and what it waits on) runs up to the record. */
 API cudaError_t cudaEventSynchronize(cudaEvent_t event)
 {
+    int (*gil_check)(void) = (int (*)(void))dlsym(RTLD_DEFAULT, "PyGILState_Check");
+    int gil = gil_check != NULL ? gil_check() : -1;
     pthread_mutex_lock(&lock);
+    gil_at_event_sync = gil;
     int id = event_id(event);
     note("cudaEventSynchronize(ev%d)", id);
     int code = injected("cudaEventSynchronize");
@@ -1368,6 +1377,7 @@ API int double_queued(uintptr_t handle)
 }
 
 API int double_sync_calls(void) { return sync_calls; }
+API int double_gil_at_event_sync(void) { return gil_at_event_sync; }
 API unsigned long double_calls(void) { return calls; }
 
 API void double_clear_log(void)

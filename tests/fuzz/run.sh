@@ -39,7 +39,7 @@ mkdir -p build/fuzz "build/fuzz/corpus_$target"
       missing "$clang has no libFuzzer runtime (libclang_rt.fuzzer; $debian)"
     fi
     cat build/fuzz/build.log; exit 1; }
-"$clang" -shared -fPIC -O1 -pthread tests/cudart_double/cudart_double.c -o build/fuzz/libcudart_double.so
+"$clang" -shared -fPIC -O1 -pthread tests/cudart_double/cudart_double.c -o build/fuzz/libcudart_double.so -ldl
 export CAI_DLPACK_CUDART=$PWD/build/fuzz/libcudart_double.so
 # A huge allocation comes back NULL (which the allocator must refuse) rather than stopping the run.
 export ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:max_allocation_size_mb=2048

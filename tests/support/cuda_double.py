@@ -28,7 +28,7 @@ def build(directory=None, cuda_12_0=False, capture_mode=True):
     name = "libcudart_double" + ("_12_0" if cuda_12_0 else "") + ("" if capture_mode else "_no_capture_mode")
     target = os.path.join(directory, name + ".so")
     subprocess.run(
-        [compiler(), "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-pthread", SOURCE, "-o", target]
+        [compiler(), "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-pthread", SOURCE, "-o", target, "-ldl"]
         + (["-DDOUBLE_CUDA_12_0"] if cuda_12_0 else []) + ([] if capture_mode else ["-DDOUBLE_NO_CAPTURE_MODE"]),
         check=True,
     )
@@ -190,6 +190,12 @@ class CudaDouble:
     def sync_calls(self):
         """Calls that waited for the device: stream, device and event synchronizations, cudaFree(Host)."""
         return self.lib.double_sync_calls()
+
+    @property
+    def gil_at_event_sync(self):
+        """Whether the last cudaEventSynchronize's caller held the GIL: 1 or 0, -1 before any (read it in a
+        fresh process: once a subinterpreter exists CPython's check always answers 1)."""
+        return self.lib.double_gil_at_event_sync()
 
     @property
     def calls(self):
