@@ -101,6 +101,30 @@ def test_capsule_holds_the_buffer_until_it_dies():
     assert array.shape == (12,)
 
 
+def test_a_shims_capsule_gives_the_buffer_back_when_it_dies():
+    """A shim's __dlpack__ of an object read through a buffer (an ndarray subclass; an interface whose 'data' is a
+    bytearray): the capsule holds the export, and the export goes with the capsule, every time: the object's
+    count is as before, and the bytearray, which refuses to resize while exported, resizes again."""
+
+    class BytesInterface:
+        pass
+
+    sub = np.arange(6, dtype=np.int32).view(Subclass)
+    data = bytearray(8)
+    described = BytesInterface()
+    described.__array_interface__ = {"shape": (8,), "typestr": "|u1", "data": data, "version": 3}
+    for obj, exporter in ((sub, sub), (described, data)):
+        shim = DLPackShim(obj)
+        before = sys.getrefcount(exporter)
+        for _ in range(3):
+            capsule = shim.__dlpack__(max_version=(1, 0))
+            assert sys.getrefcount(exporter) > before
+            del capsule
+            assert sys.getrefcount(exporter) == before
+    data.extend(b"\0")
+    assert len(data) == 9
+
+
 @pytest.mark.parametrize("array", [np.zeros(4, dtype=[("a", "<f4"), ("b", "<i4")]), np.zeros(2, dtype="<U3")],
                          ids=["structured", "unicode"])
 def test_a_buffer_the_reader_cannot_take_is_released_before_the_interface_is_read(array):
@@ -189,11 +213,12 @@ def test_an_ndarrays_fields_give_what_its_buffer_and_interface_give(dtype, layou
 def test_an_ndarray_is_read_from_its_fields_and_holds_no_buffer_export():
     """The capsule of an exact ndarray holds the array (its owner) and nothing more: no buffer export (which would
     hold a second reference). A subclass is read through its buffer, which it holds."""
-    array = np.arange(6, dtype=np.int32)
-    before = sys.getrefcount(array)
-    capsule = cai2dlpack(array)
-    assert sys.getrefcount(array) == before + 1
-    del capsule
+    for dtype in DTYPES:  # every type the fields are read for (float16 is NumPy's type number 23, after a gap)
+        array = sample(dtype)
+        before = sys.getrefcount(array)
+        capsule = cai2dlpack(array)
+        assert sys.getrefcount(array) == before + 1, dtype
+        del capsule
     for dtype in DTYPES:  # every type the buffer's formats name, the complex ones ('Zf', 'Zd') included
         sub = sample(dtype).view(Subclass)
         before = sys.getrefcount(sub)
@@ -216,9 +241,11 @@ def test_an_ndarray_with_numpys_own_flags_says_what_its_buffer_says(array, read_
 @pytest.mark.parametrize("array, message", [
     (np.zeros(3, ">f4"), "'typestr' '>f4' has non-native byte order"),
     (np.zeros(3, "M8[ns]"), "'typestr' '<M8[ns]' has no DLPack equivalent"),
+    # NumPy's type number just below float16's (NPY_TIMEDELTA 22, NPY_HALF 23): 8-byte items, never 2-byte floats
+    (np.zeros(3, "m8[ns]"), "'typestr' '<m8[ns]' has no DLPack equivalent"),
     (np.zeros(3, "g"), "'typestr' '<f16' has no DLPack equivalent"),
     (np.zeros(3, "O"), "'typestr' '|O' has no DLPack equivalent"),
-], ids=["big_endian", "datetime", "long_double", "object"])
+], ids=["big_endian", "datetime", "timedelta", "long_double", "object"])
 def test_an_ndarray_its_fields_cannot_say_is_read_as_before(array, message):
     """A byte order, or a type the fields are not read for, goes to the buffer and then the interface: the same
     refusal, in the interface's words, every time."""

@@ -185,6 +185,18 @@ def test_dtype_none_and_the_other_keywords_leave_the_asked_type_alone():
         assert asked["dtype"] == (4, 16, 1) and asked["data"] == plain["data"]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtype_asks_for_every_type_a_typestr_names_by_its_numpy_name(dtype):
+    """dtype= names any type of the table by its NumPy name, or as a NumPy dtype, the first row (bool) as much as the
+    last: raw bytes of the same item size are read as that type, where they are."""
+    name = np.dtype(dtype).name
+    raw = np.zeros(3, f"V{np.dtype(dtype).itemsize}")  # bytes no typestr names a type of
+    for requested in (name, np.dtype(dtype)):
+        asked = read_capsule(cai2dlpack(raw, dtype=requested, max_version=(1, 0)))
+        assert asked["dtype"] == (*DL_DTYPES[dtype], 1), (name, asked["dtype"])
+        assert asked["data"] == raw.ctypes.data
+
+
 @pytest.mark.parametrize("max_version,name", [
     (None, "dltensor"), ((0, 0), "dltensor"), ((0, 8), "dltensor"),
     ((1, 0), "dltensor_versioned"), ((1, 9), "dltensor_versioned"), ((2, 0), "dltensor_versioned")])

@@ -191,6 +191,7 @@ LEFT = {
     "a stride of two digits": cupy_shaped(strides=(2**40, 4)),
     "strides past the address space": cupy_shaped(strides=(2**61, 4)),
     "elements past 64 bits": cupy_shaped(shape=(2**29, 2**29, 2**29), strides=None),
+    "elements past 64 bits, strides given": cupy_shaped(shape=(2**29, 2**29, 2**29), strides=(4, 4, 4)),
 }
 
 
