@@ -199,7 +199,7 @@ def assert_wheel_runtime_found(tmp_path, out_dir, inside):
     assert result.stdout.strip() == f"pip wheel {lib}", result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("driver,named", [("12080", "12.8"), ("12090", "12.9")])
+@pytest.mark.parametrize("driver,named", [("12080", "12.8"), ("12090", "12.9"), ("12000", "12.0")])
 def test_runtime_needing_a_newer_driver_is_refused(driver, named):
     """A runtime newer than the driver would fail every call (cudaErrorInsufficientDriver): refused at load."""
     out = run_probe(CAI_DLPACK_CUDART=os.environ["CAI_DLPACK_CUDART"], CUDART_DOUBLE_DRIVER_VERSION=driver)
