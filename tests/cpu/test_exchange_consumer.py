@@ -266,6 +266,17 @@ def test_a_failing_work_stream_raises_and_lets_the_tensor_go(producer, cudart, e
     assert ordering(cudart) == ([], [])
 
 
+@pytest.mark.parametrize("door", ["to_managed_tensor", "fill_tensor"])
+def test_a_failing_work_stream_is_a_failed_c_api_call(producer, cudart, example, door):
+    """The C API's convention through a table whose work stream cannot be had: -1 with the table's error set, and
+    no tensor; never 0 (success) with an exception pending, which a C consumer, trusting the status, would miss."""
+    tensor = device_tensor(producer, cudart)
+    producer.configure(work_stream_fails=True)
+    status, error, handed_out = example.status_of(door, tensor, S2)
+    assert (status, type(error), handed_out) == (-1, RuntimeError, False)
+    assert "no work stream" in str(error)
+
+
 def test_the_c_api_orders_the_work_stream_too(producer, cudart, example):
     tensor = device_tensor(producer, cudart)
     producer.configure(work_stream=S1)

@@ -212,6 +212,24 @@ def test_a_listed_strides_under_allocation_failure_raises_memory_error():
     assert np.asarray(dlpack2cai(cai2dlpack(holder))).tolist() == host.tolist()
 
 
+def test_a_view_of_extents_past_the_small_ints_under_allocation_failure_raises_memory_error():
+    """A view's shape holds its extents as ints: past CPython's cached small ints (-5 to 256) each is allocated.
+    When one of those fails, making the view raises MemoryError, never hands out a view with the error pending
+    (SystemError) or a shape with a hole, and keeps nothing."""
+    host = np.zeros((300, 500), dtype=np.uint8)
+    holder = Holder(dict(host.__array_interface__))
+    before = sys.getrefcount(host), sys.getrefcount(holder)
+    shapes = []
+
+    def convert():
+        shapes.append(dlpack2cai(cai2dlpack(holder)).shape)
+
+    assert fail_each_allocation(convert, limit=80) > 0
+    gc.collect()
+    assert shapes and set(shapes) == {(300, 500)}
+    assert (sys.getrefcount(host), sys.getrefcount(holder)) == before
+
+
 def test_a_device_copy_under_allocation_failure_frees_what_it_made(cudart):
     """A copy on the device (copy=True), with each allocation failing in turn, the tensor's and its capsule's after
     the copy was made included: each call succeeds or raises MemoryError, and every device allocation it made is
