@@ -236,6 +236,24 @@ def test_dicts_that_take_each_others_place_are_each_read():
 
 
 @kept_only
+def test_dicts_of_each_slot_are_kept_side_by_side():
+    """Four records are kept, one in each slot, a dict's slot picked by bits 6 and 7 of its address
+    (interface_cache.c): four ready dicts, one of each slot, read in turn, are each reused the next time round,
+    none evicting another."""
+    x = np.arange(8.0)
+    candidates, by_slot = [], {}
+    while len(by_slot) < 4:
+        made = holding(dict(x.__array_interface__))
+        candidates.append(made)  # held: no address is given to a later dict
+        by_slot.setdefault((id(made.__array_interface__) >> 6) & 3, made)
+        assert len(candidates) < 10000
+    four = [by_slot[slot] for slot in range(4)]
+    assert [converted(made)[0] for made in four] == [(0, 1)] * 4
+    for _ in range(2):
+        assert [converted(made)[0] for made in four] == [(1, 0)] * 4
+
+
+@kept_only
 def test_one_dict_read_as_either_interface_keeps_each_answer(cudart):
     """The same dict as a CAI (a device pointer on a producer stream) and as an array interface (which has no
     stream): the source is part of the key, so each reuse orders streams only for the CAI."""
