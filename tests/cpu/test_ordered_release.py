@@ -1033,6 +1033,28 @@ def test_a_refused_host_function_leaves_the_release_to_the_next_collection_and_n
     assert _core._pending_releases()["pending"] == 0 and watch() is None
 
 
+def test_a_release_whose_stream_ran_before_the_main_thread_came_back_is_made_by_the_drops_own_pending_call(late):
+    """A drop on another thread schedules a collection itself, not only through the host function it queues after
+    the event: here that host function is refused and the dropping thread runs the stream before the main thread
+    (the one that makes pending calls) gets the GIL back. The release is made as soon as it does, with no
+    conversion or deleter of ours called in between."""
+    pool = Pool(late)
+    watch, drop = shim_tensor_with_work_queued(late, pool)
+    late.fail("cudaLaunchHostFunc", 2)
+
+    def drop_and_run():
+        drop()
+        late.run_stream(S2)
+
+    thread = threading.Thread(target=drop_and_run)
+    thread.start()
+    thread.join()
+    for _ in range(1000):  # bytecode only: the interpreter makes its pending calls here
+        if watch() is None:
+            break
+    assert watch() is None, "released only at a later conversion"
+
+
 # What a collection on another thread releases: made for S2 from x, with the call that schedules its collection
 # refused (its kept handle, if any, in `held`).
 HELD_FOR_S2 = {
