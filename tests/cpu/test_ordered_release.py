@@ -1414,6 +1414,8 @@ EXIT_WITH_NOTHING_PENDING_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.skipif(not getattr(sys, "_is_gil_enabled", lambda: True)(),
+                    reason="told by a thread waiting for the GIL: a free-threaded build has none to wait for")
 def test_exit_with_nothing_pending_does_not_wait():
     """With no release pending, the exit handler returns at once: it never polls, and so never lets the GIL go (its
     wait polls without the GIL), and a thread waiting for the GIL does not run during it. Called directly, in a
