@@ -4,8 +4,8 @@ dropped tensor's ordered release), checked end to end. Its runtime calls are lea
 run without failures; then each call, at each of its occurrences, is made to fail alone, and the operation must
 either succeed with a fully correct result, or raise CudaError naming that call and its code (never a wrong
 result, never SystemError); calls whose result the operation needs must raise. Either way nothing is left behind:
-the caller's device and context, the runtime's last error, the events and allocations made, the objects a release
-holds, and the same operation succeeds again once nothing fails."""
+the caller's device and context, the thread's capture mode, the runtime's last error, the events and allocations
+made, the objects a release holds, and the same operation succeeds again once nothing fails."""
 import ctypes
 import sys
 import weakref
@@ -16,7 +16,7 @@ import pytest
 from cai_dlpack import CudaError, DLPackShim, _core, cai2dlpack, dlpack2cai
 from support import c_example, doors
 from support.cai_objects import CaiArray, register
-from support.cuda_double import DEVICE, MANAGED, PINNED_HOST
+from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST
 from support.dlpack_ctypes import MadeTensor, read_capsule
 
 # An error code no branch of csrc looks for (not 2, 400, 600, 709, 900-907): every failure takes the plain path.
@@ -393,7 +393,7 @@ class Run:
             counts["cudaEventQuery"] = queries
         return counts
 
-    def leftovers(self, cudart):
+    def leftovers(self, cudart, failing=None):
         """What the operation left behind once every stream ran: sentences, none when nothing."""
         found = []
         made = sum(line.startswith("cudaMalloc") and line.endswith("-> ok") for line in self.log)
@@ -410,6 +410,10 @@ class Run:
             found.append(f"{cudart.violations} capture violations")
         if cudart.current_device != 0:
             found.append(f"the runtime's device is {cudart.current_device}")
+        # A refused put-back of the thread's mode leaves it as the runtime left it (as a refused pop leaves the
+        # context stack); any other failure leaves the thread's own mode.
+        if cudart.thread_capture_mode != GLOBAL and failing != "cudaThreadExchangeStreamCaptureMode":
+            found.append(f"the thread's capture mode is left at {cudart.thread_capture_mode}")
         if self.unraisable:
             found.append(f"unraisable: {self.unraisable}")
         return found
@@ -440,7 +444,7 @@ def judge(cudart, scenario, call, occurrence, run):
     # A failed pop leaves the context stack as the driver left it; any other failure leaves the caller's.
     if call != "cuCtxPopCurrent" and cudart.context_device != 0:
         problems.append(f"device {cudart.context_device}'s context is current, not device 0's")
-    return problems + run.leftovers(cudart)
+    return problems + run.leftovers(cudart, call)
 
 
 def fault_case(cudart, scenario, call, occurrence):
