@@ -156,6 +156,27 @@ def test_a_buffer_numpy_refuses_to_export_costs_no_memory():
     assert sys.getallocatedblocks() - blocks < 50  # a block lost a call would be 100
 
 
+@pytest.mark.parametrize("array", [np.zeros(2, dtype="<U3"),
+                                   np.zeros(4, dtype=[("a", "<f4"), ("b", "<i4")]).view(np.recarray)],
+                         ids=["unicode", "structured subclass"])
+def test_a_buffer_the_reader_cannot_take_costs_no_memory(array):
+    """A buffer exported in a format with no DLPack type is given back, and so is what the reader set aside to hold
+    it: a conversion refused by the interface afterwards leaves nothing allocated behind, however often it is
+    made."""
+    import gc
+
+    for _ in range(50):  # warm NumPy's and the reader's caches
+        with pytest.raises(ValueError, match="has no DLPack equivalent"):
+            cai2dlpack(array)
+    gc.collect()
+    blocks = sys.getallocatedblocks()
+    for _ in range(100):
+        with pytest.raises(ValueError, match="has no DLPack equivalent"):
+            cai2dlpack(array)
+    gc.collect()
+    assert sys.getallocatedblocks() - blocks < 50  # a block lost a call would be 100
+
+
 @pytest.mark.skipif(sys.version_info < (3, 12), reason="a Python-level __buffer__ (PEP 688) needs CPython 3.12")
 def test_an_array_whose_buffer_export_raises_is_read_through_its_interface():
     """An ndarray subclass whose __buffer__ raises keeps NumPy's C __array_interface__: the reader's buffer export
