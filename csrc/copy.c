@@ -294,15 +294,16 @@ static int cdl_copy_to_host(const cdl_array *arr, const cdl_copy_layout *layout,
         if (query != cudaSuccess)
             (void)rt->get_last_error();
         (void)cdl_device_leave(rt, &scope);
+        if (query != cudaSuccess && query != cudaErrorStreamCaptureImplicit)
+            return cdl_raise_cuda_error("cudaStreamGetCaptureInfo", query); /* the query itself failed */
         return cdl_raise_capture_error("cudaStreamSynchronize",
                                        query != cudaSuccess ? (int)query : (int)cudaErrorStreamCaptureUnsupported,
                                        "a host copy (dl_device=(1, 0)) waits for stream %lld, which %s; make the host "
                                        "copy outside the capture",
                                        (long long)(intptr_t)stream,
-                                       query == cudaErrorStreamCaptureImplicit
+                                       query != cudaSuccess
                                            ? "is the legacy stream while a blocking stream captures a CUDA graph"
-                                       : query != cudaSuccess ? "could not be asked about graph captures"
-                                                              : "is capturing a CUDA graph");
+                                           : "is capturing a CUDA graph");
     }
     int scope_failed = 0;
     /* The one place a conversion waits for the device: the consumer asked for host memory. */

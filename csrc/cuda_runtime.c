@@ -390,8 +390,13 @@ int cdl_raise_scope_error(const cdl_device_scope *scope)
 
 /* ---- the current device, switched and put back ------------------------------------------------- */
 
+/* Notes a scope's failed call. A runtime call's failure is taken off the runtime's last error here, not only where
+ * it is raised (cdl_raise_scope_error): a release or a free that cannot enter its scope goes on without raising,
+ * and must not leave its error for the next framework to find. Driver calls set no runtime error. */
 static int cdl_scope_failed(cdl_device_scope *scope, const char *call, int code, int in_driver)
 {
+    if (!in_driver && cdl_runtime.get_last_error != NULL)
+        (void)cdl_runtime.get_last_error();
     scope->failed_call = call;
     scope->failed_code = code;
     scope->failed_in_driver = in_driver;

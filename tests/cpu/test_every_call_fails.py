@@ -67,14 +67,10 @@ class Scenario:
     state; run(cudart, state) does the operation end to end and asserts its result. late: the double runs streams
     only when forced. raises: call name -> the occurrences (0-based; ALL: every one) whose failure the operation
     cannot survive, because it needs the call's result or its contract says it raises; ALL for the whole dict:
-    every call. named: (call, occurrence) -> the call a CudaError names instead, with the failing call's code.
-    last_error_left: (call, occurrence) -> the known defect by which that failure's runtime error is left set
-    (held by its own xfail test below)."""
+    every call."""
 
-    def __init__(self, name, setup, run, raises, late=False, named=None, last_error_left=None):
+    def __init__(self, name, setup, run, raises, late=False):
         self.name, self.setup, self.run, self.raises, self.late = name, setup, run, raises, late
-        self.named = named or {}
-        self.last_error_left = last_error_left or {}
 
     def must_raise(self, call, occurrence):
         if self.raises is ALL:
@@ -424,7 +420,7 @@ def judge(cudart, scenario, call, occurrence, run):
     problems = []
     if not failure_taken(cudart, call, occurrence, run.log):
         problems.append("the failure was never taken (the operation's calls changed)")
-    named = scenario.named.get((call, occurrence), call)
+    named = call
     if run.outcome is None:
         if scenario.must_raise(call, occurrence):
             problems.append("succeeded, although it needs the call's result")
@@ -439,7 +435,7 @@ def judge(cudart, scenario, call, occurrence, run):
             problems.append(f"raised {kind.__name__} (call {raised_call!r}, code {code!r}): {message!r}")
         elif not scenario.must_raise(call, occurrence):
             problems.append(f"raised, although the operation can do without the call: {message!r}")
-    if call.startswith("cuda") and cudart.last_error != 0 and (call, occurrence) not in scenario.last_error_left:
+    if call.startswith("cuda") and cudart.last_error != 0:
         problems.append(f"the runtime's last error is left at {cudart.last_error}")
     # A failed pop leaves the context stack as the driver left it; any other failure leaves the caller's.
     if call != "cuCtxPopCurrent" and cudart.context_device != 0:
@@ -482,13 +478,6 @@ def fault_case(cudart, scenario, call, occurrence):
 # (cdl_release_point_set: left unordered), a copy's stream-ordered allocation (cudaMalloc instead) and the
 # capture queries that only choose between stream-ordered work and plain calls (cdl_stream_outside_capture).
 
-# The known defect: a release (ordered_release.c cdl_record_release), a device copy's free (copy.c
-# cdl_release_copy) and the exchange allocator's deleter (exchange_alloc.c cdl_free_made_tensor) go on when their
-# device scope cannot be entered, and leave the failed cudaGetDevice's error as the runtime's last error.
-RELEASE_SCOPE = "cdl_record_release leaves a failed scope entry's runtime error set"
-COPY_FREE_SCOPE = "cdl_release_copy leaves a failed scope entry's runtime error set"
-ALLOCATOR_FREE_SCOPE = "cdl_free_made_tensor leaves a failed scope entry's runtime error set"
-
 # The ordering's calls when the producer's stream is a handle in the current context (device 0's).
 ORDERING = {"cuStreamGetCtx": {0}, "cudaGetDevice": {0}, "cuCtxGetCurrent": {0}, "cudaStreamGetCaptureInfo": {0, 1},
             "cuCtxGetId": {0}, "cudaEventRecord": {0}, "cudaStreamWaitEvent": {0}}
@@ -503,8 +492,7 @@ SCENARIOS = {
     # (cudaGetDevice, cuCtxGetCurrent... #1 and #2).
     "view": lambda producer: Scenario(
         "view", setup_one_device, run_view,
-        dict(ORDERING, cudaPointerGetAttributes=ALL, cudaStreamGetCaptureInfo={0, 1, 2}),
-        last_error_left={("cudaGetDevice", 1): RELEASE_SCOPE, ("cudaGetDevice", 2): RELEASE_SCOPE}),
+        dict(ORDERING, cudaPointerGetAttributes=ALL, cudaStreamGetCaptureInfo={0, 1, 2})),
     # Pinned memory for the per-thread stream, in the caller's context: the consumer's capture query first (#0),
     # the producer's (#1) and the wait; the release points' devices (cudaGetDevice #1, #2) can fail, the view's
     # per-thread stream's device (#3), scope (#4), capture query (#2), event and the host read's wait cannot.
@@ -513,13 +501,11 @@ SCENARIOS = {
         {"cudaPointerGetAttributes": ALL, "cuStreamGetCtx": {0}, "cudaGetDevice": {0, 3, 4},
          "cuCtxGetCurrent": {0, 1}, "cudaStreamGetCaptureInfo": {0, 1, 2}, "cuCtxGetId": {0},
          "cudaEventRecord": {0, 1}, "cudaStreamWaitEvent": {0}, "cudaEventCreateWithFlags": {0},
-         "cudaEventSynchronize": ALL},
-        last_error_left={("cudaGetDevice", 5): RELEASE_SCOPE, ("cudaGetDevice", 6): RELEASE_SCOPE}),
+         "cudaEventSynchronize": ALL}),
     # Managed memory for S2: the host read asks S2's capture (#2) and waits for it.
     "stream host read": lambda producer: Scenario(
         "stream host read", setup_host_accessible(MANAGED), run_stream_host_read,
-        dict(ORDERING, cudaPointerGetAttributes=ALL, cudaStreamGetCaptureInfo={0, 1, 2}, cudaStreamSynchronize=ALL),
-        last_error_left={("cudaGetDevice", 1): RELEASE_SCOPE, ("cudaGetDevice", 2): RELEASE_SCOPE}),
+        dict(ORDERING, cudaPointerGetAttributes=ALL, cudaStreamGetCaptureInfo={0, 1, 2}, cudaStreamSynchronize=ALL)),
     # The allocation's scope (#0), the ordering (#1), the copies' scope (#2), the copy's release (#3), the
     # producer ordered after the copies (#4), the free's scope (#5). Capture queries: S2 before the stream-ordered
     # allocation (#0, can fail: cudaMalloc instead), the ordering (#1, #2), S2 before the copies (#3, can fail:
@@ -529,8 +515,7 @@ SCENARIOS = {
         "device copy", setup_one_device, run_device_copy,
         {"cudaPointerGetAttributes": ALL, "cudaDeviceGetAttribute": ALL, "cudaGetDevice": {0, 1, 2, 4},
          "cuCtxGetCurrent": {0, 1, 2, 4}, "cudaStreamGetCaptureInfo": {1, 2, 5, 6}, "cuStreamGetCtx": {0, 2},
-         "cuCtxGetId": {0, 2}, "cudaEventRecord": {0, 2}, "cudaStreamWaitEvent": ALL, "cudaMemcpy2DAsync": ALL},
-        last_error_left={("cudaGetDevice", 3): RELEASE_SCOPE, ("cudaGetDevice", 5): COPY_FREE_SCOPE}),
+         "cuCtxGetId": {0, 2}, "cudaEventRecord": {0, 2}, "cudaStreamWaitEvent": ALL, "cudaMemcpy2DAsync": ALL}),
     # Pinned memory copied on the legacy stream of the caller's device: cudaGetDevice #0 names it, the legacy
     # stream is asked about captures (#0) before pinned memory is made in the allocation's scope (#1), then the
     # ordering (#2, capture queries #1, #2), the copy's release (#3, can fail), the copies' ordering of the
@@ -540,37 +525,31 @@ SCENARIOS = {
         {"cudaPointerGetAttributes": ALL, "cudaDeviceGetAttribute": ALL, "cudaGetDevice": {0, 1, 2, 5},
          "cuCtxGetCurrent": {0, 1, 3}, "cudaStreamGetCaptureInfo": {0, 1, 2, 5, 6}, "cuStreamGetCtx": {0},
          "cuCtxGetId": {0, 2}, "cudaEventRecord": {0, 2}, "cudaStreamWaitEvent": ALL, "cudaMallocHost": ALL,
-         "cudaMemcpyAsync": ALL},
-        last_error_left={("cudaGetDevice", 4): RELEASE_SCOPE}),
+         "cudaMemcpyAsync": ALL}),
     # A host copy needs every call: the consumer's capture query, the pitch, device 1's scope, the producer
-    # stream's capture query, the copies and the wait. The producer stream's query failing is reported as the wait
-    # it refuses to make (cdl_copy_to_host: "could not be asked about graph captures"), with the query's code.
+    # stream's capture query, the copies and the wait.
     "host copy": lambda producer: Scenario(
         "host copy", setup_device_1, run_host_copy,
         dict.fromkeys(["cudaPointerGetAttributes", "cudaStreamGetCaptureInfo", "cudaDeviceGetAttribute",
                        "cudaGetDevice", "cuCtxGetCurrent", "cuDevicePrimaryCtxRetain", "cuCtxPushCurrent",
                        "cudaMemcpy2DAsync", "cudaStreamSynchronize", "cuCtxPopCurrent", "cuDevicePrimaryCtxRelease"],
-                      ALL),
-        named={("cudaStreamGetCaptureInfo", 1): "cudaStreamSynchronize"}),
+                      ALL)),
     # The table's tensor ordered after its work stream (in device 1's context, ORDERING's calls), viewed for S4;
     # the view's release can fail.
     "exchange consumer": lambda producer: Scenario(
         "exchange consumer", setup_exchange(producer), run_exchange_consumer,
-        dict(ORDERING, cuCtxPushCurrent={0}, cuCtxPopCurrent={0}, cudaStreamGetCaptureInfo={0, 1, 2}),
-        last_error_left={("cudaGetDevice", 1): RELEASE_SCOPE}),
+        dict(ORDERING, cuCtxPushCurrent={0}, cuCtxPopCurrent={0}, cudaStreamGetCaptureInfo={0, 1, 2})),
     # Device memory of device 1 made in its scope (#0) and freed in it (#1: the free goes ahead without it);
     # pinned and managed memory made and freed in the caller's context.
     "allocator": lambda producer: Scenario(
         "allocator", setup_nothing, run_allocator,
         {"cudaGetDevice": {0}, "cuCtxGetCurrent": {0}, "cuDevicePrimaryCtxRetain": {0}, "cuCtxPushCurrent": {0},
          "cuCtxPopCurrent": {0}, "cuDevicePrimaryCtxRelease": {0}, "cudaMalloc": ALL, "cudaMallocHost": ALL,
-         "cudaMallocManaged": ALL},
-        last_error_left={("cudaGetDevice", 1): ALLOCATOR_FREE_SCOPE}),
+         "cudaMallocManaged": ALL}),
     # Late mode: the view's release is recorded on S2 with its work queued, and collected once S2 ran.
     "late release": lambda producer: Scenario(
         "late release", setup_one_device, run_late_release,
-        dict(ORDERING, cudaPointerGetAttributes=ALL, cudaStreamGetCaptureInfo={0, 1, 2}), late=True,
-        last_error_left={("cudaGetDevice", 1): RELEASE_SCOPE}),
+        dict(ORDERING, cudaPointerGetAttributes=ALL, cudaStreamGetCaptureInfo={0, 1, 2}), late=True),
     # to_managed_tensor (ordering in device 1's context: occurrences #0), its tensor's release (#1), fill_tensor
     # (ordering: #2; capture queries #0, #1 and #3, #4).
     "c api": lambda producer: Scenario(
@@ -578,8 +557,7 @@ SCENARIOS = {
         {"cudaPointerGetAttributes": ALL, "cuStreamGetCtx": {0, 2}, "cudaGetDevice": {0, 2},
          "cuCtxGetCurrent": {0, 2}, "cuCtxPushCurrent": {0, 2}, "cuCtxPopCurrent": {0, 2},
          "cudaStreamGetCaptureInfo": {0, 1, 3, 4}, "cuCtxGetId": {0, 2}, "cudaEventRecord": {0, 2},
-         "cudaStreamWaitEvent": ALL},
-        last_error_left={("cudaGetDevice", 1): RELEASE_SCOPE}),
+         "cudaStreamWaitEvent": ALL}),
 }
 
 
@@ -601,10 +579,9 @@ def test_each_call_failing_once_raises_or_succeeds_and_leaves_nothing(cudart, pr
     assert not problems, "\n".join(problems)
 
 
-# ---- the known defect, one reproducer per site -------------------------------------------------------------
+# ---- a failed scope entry where nothing raises: found by the cases above, one test per site -------------------
 
 
-@pytest.mark.xfail(strict=True, reason=RELEASE_SCOPE)
 def test_a_release_whose_scope_cannot_be_entered_leaves_no_runtime_error(cudart):
     """A view of a foreign device tensor, dropped when its stream's context cannot be entered (cudaGetDevice
     fails): the release is made at once, and the failed call's error must not stay the runtime's last error, for
@@ -621,7 +598,6 @@ def test_a_release_whose_scope_cannot_be_entered_leaves_no_runtime_error(cudart)
     assert cudart.last_error == 0
 
 
-@pytest.mark.xfail(strict=True, reason=COPY_FREE_SCOPE)
 def test_a_device_copys_free_whose_scope_cannot_be_entered_leaves_no_runtime_error(cudart):
     """A device copy made by cudaMallocAsync, dropped (its free is stream-ordered, so made at once) when the free
     cannot enter the copy's device (cudaGetDevice fails): the copy is freed all the same, and the failed call's
@@ -637,7 +613,6 @@ def test_a_device_copys_free_whose_scope_cannot_be_entered_leaves_no_runtime_err
     assert cudart.last_error == 0
 
 
-@pytest.mark.xfail(strict=True, reason=ALLOCATOR_FREE_SCOPE)
 def test_the_allocators_free_whose_scope_cannot_be_entered_leaves_no_runtime_error(cudart):
     """Device memory the exchange allocator made, deleted when its device cannot be entered (cudaGetDevice fails):
     freed all the same, and the error must not stay the runtime's last error."""
