@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai
+from support import c_example
 from support.dlpack_ctypes import read_capsule
 from test_host_peers import DTYPES, layouts, sample
 
@@ -366,3 +367,29 @@ def test_a_buffer_format_of_one_character_that_only_starts_a_known_format_is_rea
     assert (memoryview(pointer).format, memoryview(pointer).itemsize) == ("<Z", 8)
     value = np.from_dlpack(DLPackShim(pointer))
     assert value.dtype == np.uint64 and int(value) == ctypes.cast(pointer, ctypes.c_void_p).value
+
+
+@pytest.fixture(scope="module")
+def buffer_exporter():
+    return c_example.build_buffer_exporter()
+
+
+@pytest.mark.parametrize("source,format,read_as", [
+    (np.arange(3, dtype=np.int32), "f:x:", "float32"),  # one float32 named x (PEP 3118)
+    (np.arange(3, dtype=np.uint16), "e0s", "float16"),  # a float16 and an empty string
+], ids=["named field", "empty string after"])
+def test_a_buffer_format_that_only_starts_with_a_known_format_is_read_through_the_interface(buffer_exporter, source,
+                                                                                            format, read_as):
+    """A format of several characters is known whole, never by its first one: a buffer whose format starts with a
+    type's one-character format and whose items are that type's size is still no such type; the interface, read
+    instead, gives the source's own type. The same exporter's buffer in that type's own format is read, and
+    believed over the interface, so the buffer is what was read first."""
+    believed = np.from_dlpack(DLPackShim(buffer_exporter.Exporter(source, np.dtype(read_as).char)))
+    assert believed.dtype == np.dtype(read_as) and believed.ctypes.data == source.ctypes.data
+    exported = buffer_exporter.Exporter(source, format)
+    assert (memoryview(exported).format, memoryview(exported).itemsize) == (format, source.itemsize)
+    value = np.from_dlpack(DLPackShim(exported))
+    assert value.dtype == source.dtype and value.tolist() == source.tolist()
+    assert value.ctypes.data == source.ctypes.data
+    fields = read_capsule(cai2dlpack(exported, max_version=(1, 0)))
+    assert (fields["data"], fields["shape"]) == (source.ctypes.data, (3,))
