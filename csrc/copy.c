@@ -481,8 +481,20 @@ static int cdl_copy_on_device(const cdl_array *arr, const cdl_copy_layout *layou
         cdl_raise_scope_error(&scope);
         goto fail;
     }
-    /* Asked, and the release point set, in the context the copies are issued in: the stream is that context's. */
-    int outside_capture = cdl_stream_outside_capture(rt, stream);
+    /* Asked, and the release point set, in the context the copies are issued in: the stream is that context's. A
+     * stream that cannot be asked gets no copies: whether the source must be kept until they ran is not known. */
+    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    unsigned long long capture_id;
+    cudaError_t query = cdl_stream_capture_info(rt, stream, &capture, &capture_id);
+    if (query != cudaSuccess && query != cudaErrorStreamCaptureImplicit) {
+        if (!in_callers_context)
+            (void)cdl_device_leave(rt, &scope);
+        cdl_raise_cuda_error("cudaStreamGetCaptureInfo", query);
+        goto fail;
+    }
+    if (query != cudaSuccess)
+        (void)rt->get_last_error(); /* the legacy stream while a blocking stream captures: ours to clear */
+    int outside_capture = query == cudaSuccess && capture == cudaStreamCaptureStatusNone;
     cdl_release_point_set(release_at, (int64_t)(intptr_t)stream, arr);
     const char *failed = NULL;
     cudaError_t code = cdl_issue_copies(rt, *out, arr->data, layout, &plan, stream, &failed);

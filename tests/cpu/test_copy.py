@@ -886,6 +886,28 @@ def test_host_copy_whose_producer_stream_cannot_be_asked_raises(cudart):
     assert cudart.last_error == 0
 
 
+def test_device_copy_whose_stream_cannot_be_asked_about_captures_queues_no_copy(cudart):
+    """A device copy asks its stream whether it captures right before queuing the copies: outside a capture the
+    source is kept until they ran, inside one it is the graph's to keep. Without an answer neither is known, so no
+    copy is queued: the query's CudaError, the new memory freed, and its error not left for the runtime's next
+    caller."""
+    source, obj = device_source(cudart, "contiguous")
+    cudart.add_stream(S2, 0)
+    cudart.clear_log()
+    DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
+    log = cudart.log()
+    copies = log.index(copies_in(log)[0])
+    before = [line for line in log[:copies] if line.startswith("cudaStreamGetCaptureInfo")]
+    assert before[-1].startswith(f"cudaStreamGetCaptureInfo({S2}")  # the copies' stream, asked last before them
+    cudart.clear_log()
+    cudart.fail("cudaStreamGetCaptureInfo", 400, after=len(before) - 1)
+    with pytest.raises(CudaError, match="cudaStreamGetCaptureInfo failed") as raised:
+        DLPackShim(obj).__dlpack__(stream=S2, copy=True, max_version=(1, 0))
+    assert (raised.value.call, raised.value.code) == ("cudaStreamGetCaptureInfo", 400)
+    assert copies_in(cudart.log()) == [] and freed(cudart.log()) == 1
+    assert cudart.last_error == 0
+
+
 def test_pinned_copy_for_the_same_legacy_stream_on_the_allocations_device_is_not_ordered(cudart):
     # Caller and allocation on one device: producer and consumer "legacy stream" are one stream, nothing to order.
     source, obj = device_source(cudart, "contiguous", kind=PINNED_HOST, stream=1)

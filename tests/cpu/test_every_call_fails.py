@@ -508,22 +508,23 @@ SCENARIOS = {
         dict(ORDERING, cudaPointerGetAttributes=ALL, cudaStreamGetCaptureInfo={0, 1, 2}, cudaStreamSynchronize=ALL)),
     # The allocation's scope (#0), the ordering (#1), the copies' scope (#2), the copy's release (#3), the
     # producer ordered after the copies (#4), the free's scope (#5). Capture queries: S2 before the stream-ordered
-    # allocation (#0, can fail: cudaMalloc instead), the ordering (#1, #2), S2 before the copies (#3, can fail:
-    # the source is then not kept), the release (#4), the producer's ordering (#5, #6), the free (#7, can fail:
-    # cudaFree instead).
+    # allocation (#0, can fail: cudaMalloc instead), the ordering (#1, #2), S2 before the copies (#3: without its
+    # answer, whether the source must be kept is not known, so nothing is copied), the release (#4), the
+    # producer's ordering (#5, #6), the free (#7, can fail: cudaFree instead).
     "device copy": lambda producer: Scenario(
         "device copy", setup_one_device, run_device_copy,
         {"cudaPointerGetAttributes": ALL, "cudaDeviceGetAttribute": ALL, "cudaGetDevice": {0, 1, 2, 4},
-         "cuCtxGetCurrent": {0, 1, 2, 4}, "cudaStreamGetCaptureInfo": {1, 2, 5, 6}, "cuStreamGetCtx": {0, 2},
+         "cuCtxGetCurrent": {0, 1, 2, 4}, "cudaStreamGetCaptureInfo": {1, 2, 3, 5, 6}, "cuStreamGetCtx": {0, 2},
          "cuCtxGetId": {0, 2}, "cudaEventRecord": {0, 2}, "cudaStreamWaitEvent": ALL, "cudaMemcpy2DAsync": ALL}),
     # Pinned memory copied on the legacy stream of the caller's device: cudaGetDevice #0 names it, the legacy
     # stream is asked about captures (#0) before pinned memory is made in the allocation's scope (#1), then the
-    # ordering (#2, capture queries #1, #2), the copy's release (#3, can fail), the copies' ordering of the
+    # ordering (#2, capture queries #1, #2), the copies' stream asked (capture query #3, needed, as in the device
+    # copy), the copy's release (#3, can fail), the copies' ordering of the
     # producer (#4... #5, capture queries #5, #6).
     "pinned copy": lambda producer: Scenario(
         "pinned copy", setup_host_accessible(PINNED_HOST), run_pinned_copy,
         {"cudaPointerGetAttributes": ALL, "cudaDeviceGetAttribute": ALL, "cudaGetDevice": {0, 1, 2, 5},
-         "cuCtxGetCurrent": {0, 1, 3}, "cudaStreamGetCaptureInfo": {0, 1, 2, 5, 6}, "cuStreamGetCtx": {0},
+         "cuCtxGetCurrent": {0, 1, 3}, "cudaStreamGetCaptureInfo": {0, 1, 2, 3, 5, 6}, "cuStreamGetCtx": {0},
          "cuCtxGetId": {0, 2}, "cudaEventRecord": {0, 2}, "cudaStreamWaitEvent": ALL, "cudaMallocHost": ALL,
          "cudaMemcpyAsync": ALL}),
     # A host copy needs every call: the consumer's capture query, the pitch, device 1's scope, the producer
