@@ -64,7 +64,7 @@ SYNCED = ["CMakeLists.txt", "pyproject.toml", "csrc", "include", "python", "test
 # runs the whole CPU suite.
 RELATED_TESTS = {
     "c_api.c": ["test_c_api.py", "test_exchange_consumer.py", "test_exchange_allocator.py", "test_out_of_memory.py",
-                "test_every_call_fails.py"],
+                "test_every_call_fails.py", "test_ordered_release.py"],
     "cai_to_dlpack.c": ["test_fresh_dict_reader.py", "test_cai_path.py", "test_errors.py", "test_interface_lookup.py",
                         "test_buffer_path.py", "test_streams.py", "test_low_precision.py", "test_copy.py",
                         "test_out_of_memory.py", "test_interface_cache.py", "test_c_api.py",
