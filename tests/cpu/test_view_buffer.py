@@ -131,6 +131,18 @@ def test_shape_too_large_for_a_buffer():
         memoryview(view)
 
 
+def test_a_shape_of_exactly_the_largest_buffer_length_is_a_buffer():
+    """A buffer's length may be any Py_ssize_t: a broadcast byte (stride 0) 2**63 - 1 times, the largest length
+    there is, is exported and read (a longer one is refused, above)."""
+    base = np.array([7], dtype=np.uint8)
+    made = MadeTensor(data=base.__array_interface__["data"][0], device=(kDLCPU, 0), dtype=(kDLUInt, 8, 1),
+                      shape=(2**63 - 1,), strides=(0,))
+    view = dlpack2cai(made.capsule)
+    m = memoryview(view)
+    assert (m.nbytes, m.shape, m.strides) == (2**63 - 1, (2**63 - 1,), (0,))
+    assert m[0] == m[2**63 - 2] == 7
+
+
 @pytest.mark.parametrize("strides", [(2**62,), (-(2**62),)], ids=["up", "down"])
 def test_strides_past_the_address_space_are_refused_at_the_door(strides):
     base = np.zeros(4)
