@@ -328,6 +328,18 @@ def test_a_driver_lacking_one_context_call_is_used_by_device_number_alone(lackin
                      "cudaEventRecord(ev, 20480)", "cudaStreamWaitEvent(24576, ev, 0)", "cudaSetDevice(2)", "current 2 2"]
 
 
+def test_the_drivers_calls_are_asked_for_with_their_cuda_12_0_signatures():
+    """cudaGetDriverEntryPointByVersion hands out a driver call as it is in the CUDA version asked for; the runtime
+    table declares each call with its CUDA 12.0 signature (12.0 brought cuCtxGetId, the newest of them), so each of
+    the eleven is asked for at 12000 exactly, where a later version could hand out a later signature."""
+    lines = run_older_runtime(os.environ["CAI_DLPACK_CUDART"])
+    asked = [line for line in lines if line.startswith("cudaGetDriverEntryPointByVersion(")]
+    symbols = ["cuCtxGetCurrent", "cuCtxPushCurrent", "cuCtxPopCurrent", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
+               "cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxGetState", "cuStreamGetCtx", "cuCtxGetId",
+               "cuGetErrorName", "cuGetErrorString"]
+    assert asked == [f"cudaGetDriverEntryPointByVersion({symbol}, 12000)" for symbol in symbols]
+
+
 def test_runtime_12_0_uses_the_unversioned_entry_point(tmp_path):
     """CUDA 12.0-12.4 has cudaGetDriverEntryPoint only: the driver's calls come through it all the same, and
     managed memory's event goes in its stream's context. Its capture query is CUDA 12's six-argument
