@@ -31,8 +31,9 @@ static _Atomic Py_ssize_t cdl_pending_waits;
 static _Atomic int cdl_pending_call_scheduled;
 /* The test-only switch (_set_ordered_release): 0 releases at once, as before ordered release existed. */
 static _Atomic int cdl_ordered_release_enabled = 1;
-/* Set once the exit handler starts: from then on nothing waits for the bound (a stream still holding a release
- * after the handler's time may never get there, and a wait for it would hang the exit). */
+/* Set once the main interpreter's exit handler starts: from then on nothing waits for the bound (a stream still
+ * holding a release after the handler's time may never get there, and a wait for it would hang the exit). A
+ * subinterpreter's end sets nothing: the process goes on. */
 static _Atomic int cdl_exiting;
 
 /* Events whose release was made, kept for the next release in their context (a create per release would
@@ -644,7 +645,11 @@ static PyObject *cdl_release_pending_at_exit(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     const long long deadline = cdl_now_ns() + CDL_EXIT_WAIT_NS;
-    cdl_exiting = 1;
+    /* The module is initialized once per process (single-phase init), so its handler is registered with the atexit
+     * of the first interpreter that imports it, which may be a subinterpreter that ends long before the process. */
+    const int process_ends = PyInterpreterState_Get() == PyInterpreterState_Main();
+    if (process_ends)
+        cdl_exiting = 1;
     cdl_release_completed();
     while (cdl_pending_count > 0 && cdl_now_ns() < deadline) {
         Py_BEGIN_ALLOW_THREADS
@@ -654,9 +659,11 @@ static PyObject *cdl_release_pending_at_exit(PyObject *module, PyObject *unused)
         cdl_release_completed();
     }
     /* From here a stream reaching a release schedules nothing: the interpreter is going. */
-    cdl_lock_acquire(&cdl_schedule_lock);
-    cdl_schedule_allowed = 0;
-    cdl_lock_release(&cdl_schedule_lock);
+    if (process_ends) {
+        cdl_lock_acquire(&cdl_schedule_lock);
+        cdl_schedule_allowed = 0;
+        cdl_lock_release(&cdl_schedule_lock);
+    }
     Py_RETURN_NONE;
 }
 

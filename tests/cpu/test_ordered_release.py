@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import threading
 import time
@@ -23,6 +24,7 @@ from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST, RELAXED, THREAD_LOCAL
 from support.dlpack_ctypes import DLManagedTensor, DLManagedTensorVersioned, MadeTensor, _api, kDLCUDA
 from support.fresh_process import run_with_double
+from test_lifetime import LEGACY_SUBINTERPRETER
 
 S1, S2 = 0x5000, 0x6000  # the producer's stream, the consumer's
 N = 8
@@ -864,6 +866,57 @@ def test_exit_never_waits_on_a_stream_for_the_bound():
     which never runs) queues them past the bound: exit leaves them pending rather than waiting for S1 (a stream
     that may never get there), and still returns within its time."""
     assert child_output(EXIT_PAST_THE_BOUND_SCRIPT) == ["pending", "1", "exiting", "owner-released", "exit-under-3s", "True"]
+
+
+# A legacy subinterpreter imports the module before the main interpreter does (a plugin host), then ends: its exit
+# runs the module's exit handler (single-phase init registers it with the first importer's atexit).
+SUBINTERPRETER_IMPORTS_FIRST_AND_ENDS = LEGACY_SUBINTERPRETER + """
+assert "cai_dlpack" not in sys.modules
+error = run("import sys; sys.path[:0] = %r; import cai_dlpack" % (sys.path,))
+assert error is None, error
+interpreters.destroy(interp)
+"""
+
+# Then, in the main interpreter: drops past the bound for a stream that never runs, and a release whose stream ran.
+AFTER_A_SUBINTERPRETER_ENDED = f"""
+import weakref
+from test_ordered_release import consume
+from cai_dlpack import _core, cai2dlpack
+double.add_stream({S1}, 0)
+double.add_stream({S2}, 0)
+double.late = True
+limit = _core._pending_releases()["limit"]
+host = np.zeros(limit + 21, dtype=np.float32)
+register(double, host, DEVICE)
+double.launch_kernel({S2}, lambda: None)
+for i in range(limit + 20):
+    consume(cai2dlpack(CaiArray(host[i:i + 1]), stream={S2}, max_version=(1, 0)))[1]()
+info = _core._pending_releases()
+print("over", info["pending"] - limit, "waited", info["waited"])
+double.launch_kernel({S1}, lambda: None)
+x = CaiArray(host[limit + 20:])
+watch = weakref.ref(x)
+consume(cai2dlpack(x, stream={S1}, max_version=(1, 0)))[1]()
+del x
+double.run_stream({S1})  # its host function schedules the pending call
+for _ in range(1000):  # bytecode only: the interpreter makes its pending calls here
+    if watch() is None:
+        break
+print("released", watch() is None)
+"""
+
+
+@pytest.mark.skipif(bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
+                    reason="a free-threaded CPython loads no single-phase module (ours) in any subinterpreter")
+@pytest.mark.parametrize("first", ["main interpreter", "a subinterpreter that ended"])
+def test_a_subinterpreter_ending_leaves_the_bound_and_the_pending_call_to_the_main_interpreter(first):
+    """The exit handler may run when the subinterpreter that imported the module first ends, long before the process
+    does: only the main interpreter's stops waiting for the bound and scheduling collections. The main interpreter
+    then still holds the bound (each drop past it waits for the oldest) and makes a release once its stream ran,
+    without another conversion."""
+    out = run_with_double((SUBINTERPRETER_IMPORTS_FIRST_AND_ENDS if first != "main interpreter" else "")
+                          + AFTER_A_SUBINTERPRETER_ENDED)
+    assert out == ["over", "0", "waited", "20", "released", "True"]
 
 
 def fill_to_the_bound(cudart, first_kernel=None):
