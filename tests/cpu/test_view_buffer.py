@@ -9,7 +9,9 @@ import zlib
 import numpy as np
 import pytest
 
-from cai_dlpack import cai2dlpack, dlpack2cai
+from cai_dlpack import DLPackShim, cai2dlpack, dlpack2cai
+from support.cai_objects import CaiArray, register
+from support.cuda_double import PINNED_HOST
 from support.dlpack_ctypes import MadeTensor, kDLCPU, kDLCUDA, kDLFloat, kDLUInt
 from support.optional import needs_torch, torch
 from test_host_peers import DTYPES, layouts
@@ -178,3 +180,18 @@ def test_empty_array_whose_byte_strides_overflow_reads_back():
     holder.__array_interface__ = {"shape": shape, "typestr": "<i2", "data": (8, False), "version": 3}
     view = dlpack2cai(cai2dlpack(holder))
     assert view.shape == shape and view.strides is None and view.__array_interface__["data"] == (0, False)
+
+
+def test_a_views_array_interface_has_no_stream_key(cudart):
+    """'stream' is a key of the CUDA array interface only: a view's __array_interface__ has the array interface's
+    keys, of host memory and of pinned memory alike, while the same pinned view's __cuda_array_interface__ names the
+    stream it was made for."""
+    keys = {"shape", "typestr", "data", "strides", "version"}
+    assert set(dlpack2cai(np.arange(6.0)).__array_interface__) == keys
+    pinned = np.arange(6, dtype=np.float32)
+    register(cudart, pinned, PINNED_HOST)
+    cudart.add_stream(0x5000, 0)
+    view = dlpack2cai(DLPackShim(CaiArray(pinned)), stream=0x5000)
+    assert set(view.__array_interface__) == keys
+    assert view.__cuda_array_interface__["stream"] == 0x5000
+    np.testing.assert_array_equal(np.asarray(view), pinned)
