@@ -59,6 +59,8 @@ CASES = [
     (dict(typestr="<f16"), ValueError, "'typestr' '<f16' has no DLPack equivalent"),
     (dict(typestr=">f" if sys.byteorder == "little" else "<f"), ValueError, "has no DLPack equivalent"),  # too short
     (dict(typestr="|O8"), ValueError, "'typestr' '|O8' has no DLPack equivalent"),
+    # No kind 'd': its 1-byte entry of the (kind, item size) index lies next to complex128's ('c', 16 bytes).
+    (dict(typestr="|d1"), ValueError, "'typestr' '|d1' has no DLPack equivalent"),
     (dict(typestr="<U4"), ValueError, "'typestr' '<U4'"),
     (dict(typestr="|V8"), ValueError, "'typestr' '|V8'"),
     (dict(typestr="<M8"), ValueError, "'typestr' '<M8'"),
