@@ -8,6 +8,7 @@ import pytest
 import cai_dlpack
 from cai_dlpack import DLPackShim, DLPackView, UnsupportedArrayError, cai2dlpack, dlpack2cai
 from support.cuda_double import DEVICE
+from support.fresh_process import run_with_double
 from support.optional import tvm_ffi
 from support.dlpack_ctypes import (MadeTensor, kDLBfloat, kDLCPU, kDLCUDA, kDLFloat, kDLOpaqueHandle, kDLROCM,
                                   read_capsule)
@@ -627,3 +628,25 @@ def test_a_view_whose_producer_changed_its_tensors_type_says_so():
         view.__array_interface__
     del view
     assert made.deleted == 1
+
+
+def test_cuda_error_stays_one_class_when_the_core_is_imported_again():
+    """The core module imported again after it left sys.modules (a reloader's or a test runner's way) is the module
+    it was: cai_dlpack.CudaError, caught by code written against the first import, is the class of the errors it
+    raises from then on. (A process of its own: the import is the process's.)"""
+    out = run_with_double("""
+        import importlib
+        import cai_dlpack
+        first = sys.modules["cai_dlpack._core"]
+        del sys.modules["cai_dlpack._core"]
+        again = importlib.import_module("cai_dlpack._core")
+        double.reset()
+        host = np.zeros(8, dtype=np.float32)
+        register(double, host, DEVICE)
+        double.fail("cudaEventRecord", 700)  # cudaErrorIllegalAddress
+        try:
+            again.cai2dlpack(CaiArray(host[::2], stream=0x5000), stream=0x6000)
+        except cai_dlpack.CudaError as error:
+            print(again.CudaError is first.CudaError, error.call)
+    """)
+    assert out == ["True", "cudaEventRecord"]
