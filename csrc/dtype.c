@@ -61,13 +61,18 @@ static char cdl_supported_text[32 * CDL_DTYPE_COUNT];
 
 #if PY_BIG_ENDIAN
 #define CDL_FOREIGN_BYTE_ORDER '<'
+#define CDL_NATIVE_BYTE_ORDER '>'
 #else
 #define CDL_FOREIGN_BYTE_ORDER '>'
+#define CDL_NATIVE_BYTE_ORDER '<'
 #endif
 
 /* The row of each (kind letter, item size 1 to 16 as its log2) with a typestr of its own: derived from the
  * table at init, so a typestr costs an index, not a scan. -1: none. */
 static signed char cdl_row_of_kind[26][5];
+/* The same for a typestr's two last characters, a kind letter and one digit (its item size): one index where a
+ * three-character typestr is read, the common case. -1: none. */
+static signed char cdl_row_of_kind_digit[128][10];
 /* The first row whose buffer format is this one ASCII character, or -1: a buffer's format read without a walk of
  * the table (NumPy's arrays give one character). */
 static signed char cdl_row_of_format[128];
@@ -93,6 +98,14 @@ int cdl_dtype_init(void)
         char kind = cdl_dtype_table[i].kind;
         if (kind >= 'a' && kind <= 'z' && slot >= 0 && cdl_row_of_kind[kind - 'a'][slot] < 0)
             cdl_row_of_kind[kind - 'a'][slot] = (signed char)i;
+    }
+    memset(cdl_row_of_kind_digit, -1, sizeof(cdl_row_of_kind_digit));
+    for (int kind = 'a'; kind <= 'z'; kind++) {
+        for (int digit = 0; digit <= 9; digit++) {
+            int slot = cdl_size_slot(digit);
+            if (slot >= 0)
+                cdl_row_of_kind_digit[kind][digit] = cdl_row_of_kind[kind - 'a'][slot];
+        }
     }
     memset(cdl_row_of_format, -1, sizeof(cdl_row_of_format));
     for (size_t i = CDL_DTYPE_COUNT; i-- > 0;) {
@@ -206,11 +219,18 @@ int cdl_lookup_typestr(PyObject *typestr, DLDataType *out)
     /* What cdl_parse_typestr accepts of three characters, read in place: the byte order, the kind, one digit. */
     if (!PyUnicode_IS_COMPACT_ASCII(typestr) || PyUnicode_GET_LENGTH(typestr) != 3)
         return -1;
-    const char *text = (const char *)PyUnicode_DATA(typestr);
-    if ((text[0] != '<' && text[0] != '>' && text[0] != '|' && text[0] != '=') || text[0] == CDL_FOREIGN_BYTE_ORDER ||
-        text[2] < '0' || text[2] > '9')
+    const unsigned char *text = (const unsigned char *)PyUnicode_DATA(typestr);
+    /* '<' and '>' less the foreign one: the native order's character. */
+    const unsigned char order = text[0], kind = text[1], digit = (unsigned char)(text[2] - '0');
+    if ((order != CDL_NATIVE_BYTE_ORDER && order != '|' && order != '=') || kind >= 128 || digit > 9)
         return -1;
-    return cdl_dtype_from_kind(text[1], text[2] - '0', out);
+    const int row = cdl_row_of_kind_digit[kind][digit];
+    if (row < 0)
+        return -1;
+    out->code = cdl_dtype_table[row].code;
+    out->bits = cdl_dtype_table[row].bits;
+    out->lanes = 1;
+    return 0;
 }
 
 /* The row whose name is the str name, or -1. */
