@@ -906,9 +906,10 @@ static int cdl_has_no_instance_dict(PyTypeObject *type)
 
 /* getattr(obj, name) as cdl_lookup_attribute answers it. generic: obj's attribute access is the generic one, and
  * descriptor is what obj's type holds under name (or NULL): a data descriptor there (a property, a getset) is what the
- * generic lookup would call before anything else, so it is called here at once. */
-static int cdl_interface_attribute(PyObject *obj, PyObject *name, int generic, PyObject *descriptor,
-                                   PyObject **value)
+ * generic lookup would call before anything else, so it is called here at once. Inlined: as a call it cost a
+ * conversion 20 instructions (callgrind), a seventh of what its producer's property leaves us. */
+static inline __attribute__((always_inline)) int
+cdl_interface_attribute(PyObject *obj, PyObject *name, int generic, PyObject *descriptor, PyObject **value)
 {
     *value = NULL;
     if (generic && descriptor == NULL && cdl_has_no_instance_dict(Py_TYPE(obj)))
