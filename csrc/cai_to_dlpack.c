@@ -1033,9 +1033,10 @@ static int cdl_parse_dl_device(PyObject *dl_device, DLDevice device, DLDevice *t
 /* A capsule of arr, its data ordered after the producer's stream, whose tensor keeps owner alive until the work
  * its consumer queued on its stream by the time it lets go has run (ordered_release.c): the release point goes
  * into the block as it is made, no capsule is asked for its pointer again. Releases that became ready are made
- * now. (A wait queued before an allocation that then fails only orders the consumer's stream once more.) */
-static PyObject *cdl_export_shared(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned,
-                                   int64_t consumer)
+ * now. (A wait queued before an allocation that then fails only orders the consumer's stream once more.) Inlined
+ * into both exports, the no-keyword one a call shorter. */
+static inline __attribute__((always_inline)) PyObject *
+cdl_export_shared(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned, int64_t consumer)
 {
     if (cdl_order_streams(arr, consumer) < 0)
         return NULL;
