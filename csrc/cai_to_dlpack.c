@@ -4,6 +4,7 @@
  * ready dicts are interface_cache.c's. */
 #include "cdl_internal.h"
 
+#include <stddef.h>
 #include <string.h>
 
 static const char *cdl_source_name(cdl_source source)
@@ -348,6 +349,24 @@ static inline int cdl_extent_readable(const cdl_array *out, int64_t itemsize)
     }
 }
 
+/* The keys the fused reader takes, in the order CuPy's ndarray builds its dict (cupy/_core/core.pyx): each key is
+ * first compared with the one that follows the last found in that order, one comparison per key for CuPy's dicts,
+ * then with the others. (The descr is found only to be passed over: a typestr alone names the type here.) */
+enum { CDL_FRESH_SHAPE, CDL_FRESH_TYPESTR, CDL_FRESH_DESCR, CDL_FRESH_STREAM, CDL_FRESH_VERSION, CDL_FRESH_STRIDES,
+       CDL_FRESH_DATA, CDL_FRESH_KEYS };
+
+static const size_t cdl_fresh_key_offsets[CDL_FRESH_KEYS] = {
+    offsetof(cdl_names, shape),   offsetof(cdl_names, typestr), offsetof(cdl_names, descr),
+    offsetof(cdl_names, stream),  offsetof(cdl_names, version), offsetof(cdl_names, strides),
+    offsetof(cdl_names, data),
+};
+
+/* The interned name of a slot above. */
+static inline PyObject *cdl_fresh_key_name(int slot)
+{
+    return *(PyObject *const *)((const char *)&cdl_name + cdl_fresh_key_offsets[slot]);
+}
+
 /* The fused reader of a dict only this call holds (a producer's property builds one on each access, as CuPy,
  * Numba, PyTorch and RMM do), no dtype= asked: what the general reader below does for the common shapes of
  * such a dict, in one pass, with borrowed references and no critical section (no other thread can reach the
@@ -358,30 +377,29 @@ static inline int cdl_extent_readable(const cdl_array *out, int64_t itemsize)
  * raises, and no dict reads differently through it. Returns 1 with *out filled but for the device, else 0. */
 static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *out)
 {
-    PyObject *version = NULL, *shape = NULL, *typestr = NULL, *data = NULL, *strides = NULL, *stream = NULL;
+    PyObject *found[CDL_FRESH_KEYS] = {NULL};
     Py_ssize_t position = 0, left = PyDict_GET_SIZE(iface);
     PyObject *key, *value;
+    int next = 0; /* the slot whose name is expected next: the one after the last found, as CuPy orders them */
     /* Stops at the last entry: the call that would only say so is not made. */
     while (left-- > 0 && PyDict_Next(iface, &position, &key, &value)) {
-        if (key == cdl_name.shape)
-            shape = value;
-        else if (key == cdl_name.typestr)
-            typestr = value;
-        else if (key == cdl_name.data)
-            data = value;
-        else if (key == cdl_name.strides)
-            strides = value;
-        else if (key == cdl_name.version)
-            version = value;
-        else if (key == cdl_name.stream)
-            stream = value;
-        else if (key == cdl_name.mask) {
-            if (value != Py_None)
-                return 0;
+        int slot = next;
+        if (slot == CDL_FRESH_KEYS || key != cdl_fresh_key_name(slot)) {
+            slot = 0;
+            while (slot < CDL_FRESH_KEYS && key != cdl_fresh_key_name(slot))
+                slot++;
+            if (slot == CDL_FRESH_KEYS) {
+                if (key == cdl_name.mask ? value != Py_None : key != cdl_name.offset)
+                    return 0; /* another key, or one of ours as a str of its own: the general reader compares text */
+                continue;
+            }
         }
-        else if (key != cdl_name.descr && key != cdl_name.offset)
-            return 0; /* another key, or one of ours as a str of its own: the general reader compares text */
+        found[slot] = value;
+        next = slot + 1;
     }
+    PyObject *const version = found[CDL_FRESH_VERSION], *const shape = found[CDL_FRESH_SHAPE],
+                   *const typestr = found[CDL_FRESH_TYPESTR], *const data = found[CDL_FRESH_DATA],
+                   *const strides = found[CDL_FRESH_STRIDES], *const stream = found[CDL_FRESH_STREAM];
     int64_t number;
     if (version == NULL || !cdl_compact_int(version, &number) || number < 0 || number > 3)
         return 0;
