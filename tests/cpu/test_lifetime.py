@@ -255,6 +255,33 @@ def run_script(body):
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
 
 
+def test_a_tensor_dropped_while_the_interpreter_finalizes_leaves_its_owner_behind():
+    """Once the interpreter finalizes (here: NumPy's array of a tensor, kept in builtins, freed among the last
+    objects), a deleter touches none of its Python objects: the owner is left behind, never freed, so no finalizer
+    of the producer runs in an interpreter tearing itself down. The same drop made before then frees it."""
+    result = run_script("""
+import builtins
+import numpy as np
+from cai_dlpack import DLPackShim
+
+class Owner:
+    def __init__(self, when):
+        self.when = when
+        self.array = np.arange(4.0)
+        self.__array_interface__ = self.array.__array_interface__
+
+    def __del__(self, write=os.write):
+        write(1, self.when.encode() + b" freed ")
+
+dropped = np.from_dlpack(DLPackShim(Owner("running")))
+del dropped
+builtins.kept_to_the_end = np.from_dlpack(DLPackShim(Owner("finalizing")))
+print("exiting", flush=True)
+""")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["running", "freed", "exiting"]
+
+
 @pytest.mark.skipif(sys.version_info < (3, 13), reason="isolated interpreters that can import ctypes: 3.13+")
 def test_deleter_called_from_an_isolated_subinterpreter_frees_in_the_owners_interpreter():
     """A C consumer holding a tensor of the main interpreter drops it from a thread running an isolated
