@@ -52,23 +52,73 @@ WORKLOAD = textwrap.dedent("""
 """).format(tests=TESTS)
 
 
+# Past the bound of pending releases: the limit's views dropped while their stream never runs, then one more, whose
+# drop takes the oldest release out of the list and waits for it (and puts it back where the wait is refused).
+PAST_THE_BOUND = textwrap.dedent("""
+    import gc, os, sys
+    sys.path[:0] = [{tests!r}]
+    import numpy as np
+    from cai_dlpack import DLPackShim, _core, dlpack2cai
+    from support.cai_objects import CaiArray, register
+    from support.cuda_double import DEVICE, CudaDouble
+    S2 = 0x6000
+    cudart = CudaDouble(os.environ["CAI_DLPACK_CUDART"])
+    cudart.add_stream(S2, 0)
+    cudart.late = True
+    limit = _core._pending_releases()["limit"]
+    host = np.zeros(limit + 2, dtype=np.float32)
+    register(cudart, host, DEVICE)
+    for i in range(limit + 1):
+        dlpack2cai(DLPackShim(CaiArray(host[i:i + 1])), stream=S2)
+    cudart.fail("cudaEventSynchronize", 700)
+    dlpack2cai(DLPackShim(CaiArray(host[limit + 1:])), stream=S2)
+    waited = _core._pending_releases()["waited"]
+    cudart.run_all()
+    gc.collect()
+    _core._pending_releases()
+    print(waited, _core._pending_releases()["pending"])
+""").format(tests=TESTS)
+
+
 def sanitizer_preloaded():
     return any(name in os.environ.get("LD_PRELOAD", "") for name in ("asan", "tsan", "ubsan", "msan"))
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                    reason="the checker reads glibc's mutex layout")
-@pytest.mark.skipif(sanitizer_preloaded(), reason="a sanitizer's interceptors stand between the module and the checker")
-def test_every_lock_the_module_takes_is_released_by_the_thread_that_took_it(tmp_path):
+def run_checked(tmp_path, workload):
+    """Runs workload in a child with the checker loaded; returns the result, once the child exited with 0 and (before
+    3.13, where a cdl_lock is a POSIX mutex) the checker saw the module's locks."""
     checker = tmp_path / "liblock_checker.so"
     subprocess.run([compiler(), "-shared", "-fPIC", "-O1", "-Wall", "-Werror", CHECKER, "-o", str(checker), "-ldl"],
                    check=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path),
                LD_PRELOAD=" ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(checker)])))
-    result = subprocess.run([sys.executable, "-c", WORKLOAD], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", workload], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    # Each round's release waited for the consumer's stream, and was made once it ran.
-    assert result.stdout.split("\n")[:3] == [f"{round} 1 0" for round in range(3)], result.stdout
     checked = int(result.stderr.rsplit("lock_checker: ", 1)[1].split()[0])
     if sys.version_info < (3, 13):
         assert checked > 0, result.stderr  # the checker saw the module's locks
+    return result
+
+
+glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                reason="the checker reads glibc's mutex layout")
+no_sanitizer = pytest.mark.skipif(sanitizer_preloaded(),
+                                  reason="a sanitizer's interceptors stand between the module and the checker")
+
+
+@glibc_only
+@no_sanitizer
+def test_every_lock_the_module_takes_is_released_by_the_thread_that_took_it(tmp_path):
+    result = run_checked(tmp_path, WORKLOAD)
+    # Each round's release waited for the consumer's stream, and was made once it ran.
+    assert result.stdout.split("\n")[:3] == [f"{round} 1 0" for round in range(3)], result.stdout
+
+
+@glibc_only
+@no_sanitizer
+def test_the_pending_releases_lock_is_held_past_the_bound(tmp_path):
+    """Past the bound, the oldest release is taken out of the pending list and, its wait refused, put back, each
+    under the pending releases' lock, taken and released by the dropping thread; the releases are all made once
+    the stream ran."""
+    result = run_checked(tmp_path, PAST_THE_BOUND)
+    assert result.stdout.split() == ["2", "0"], result.stdout  # two waits past the bound (one refused), none left
