@@ -148,13 +148,16 @@ def test_a_buffer_numpy_refuses_to_export_costs_no_memory():
         memoryview(array)
     with pytest.raises(ValueError, match="'typestr' '<M8\\[D\\]' has no DLPack equivalent"):
         cai2dlpack(array)
-    gc.collect()
-    blocks = sys.getallocatedblocks()
-    for _ in range(100):
-        with pytest.raises(ValueError, match="has no DLPack equivalent"):
-            cai2dlpack(array)
-    gc.collect()
-    assert sys.getallocatedblocks() - blocks < 50  # a block lost a call would be 100
+    growth = []
+    for _ in range(4):  # the least of four rounds: a first round after warming up can still fill a cache
+        gc.collect()
+        blocks = sys.getallocatedblocks()
+        for _ in range(100):
+            with pytest.raises(ValueError, match="has no DLPack equivalent"):
+                cai2dlpack(array)
+        gc.collect()
+        growth.append(sys.getallocatedblocks() - blocks)
+    assert min(growth) < 50, growth  # a block lost a call would be 100 each round
 
 
 @pytest.mark.parametrize("array", [np.zeros(2, dtype="<U3"),
@@ -169,13 +172,16 @@ def test_a_buffer_the_reader_cannot_take_costs_no_memory(array):
     for _ in range(50):  # warm NumPy's and the reader's caches
         with pytest.raises(ValueError, match="has no DLPack equivalent"):
             cai2dlpack(array)
-    gc.collect()
-    blocks = sys.getallocatedblocks()
-    for _ in range(100):
-        with pytest.raises(ValueError, match="has no DLPack equivalent"):
-            cai2dlpack(array)
-    gc.collect()
-    assert sys.getallocatedblocks() - blocks < 50  # a block lost a call would be 100
+    growth = []
+    for _ in range(4):  # the least of four rounds: a first round after warming up can still fill a cache
+        gc.collect()
+        blocks = sys.getallocatedblocks()
+        for _ in range(100):
+            with pytest.raises(ValueError, match="has no DLPack equivalent"):
+                cai2dlpack(array)
+        gc.collect()
+        growth.append(sys.getallocatedblocks() - blocks)
+    assert min(growth) < 50, growth  # a block lost a call would be 100 each round
 
 
 @pytest.mark.skipif(sys.version_info < (3, 12), reason="a Python-level __buffer__ (PEP 688) needs CPython 3.12")
