@@ -259,6 +259,21 @@ def test_a_type_of_a_few_bits_takes_whole_bytes(cudart, dtype):
     assert allocate_and_check(dtype, [1000], (CPU, 0), 1, False) == "made"
 
 
+@pytest.mark.parametrize("nbytes", [1, 63, 64, 65, 127, 129])
+def test_a_host_tensors_block_is_whole_64_byte_lines(nbytes):
+    """A host tensor's block starts a 64-byte line and takes whole lines: the bytes its shape needs rounded up to
+    the next multiple of 64, all of them usable (a vectorized kernel may read the last line whole)."""
+    made = doors.allocate((1, 8, 1), [nbytes], (CPU, 0))
+    try:
+        data = made.fields()["data"]
+        lines = (nbytes + 63) // 64 * 64
+        assert data % 64 == 0 and libc.malloc_usable_size(data) >= lines
+        ctypes.memset(data, 0x5A, lines)
+        assert ctypes.string_at(data, lines) == b"\x5a" * lines
+    finally:
+        made.delete()
+
+
 def test_an_empty_prototype_whose_strides_just_fit_is_made(cudart):
     """No elements, so no bytes: its contiguous strides (2**62, 2, 1) fit in 64 bits, and it is made with them."""
     made = doors.allocate((2, 32, 1), [0, 2**61, 2], (CPU, 0))
