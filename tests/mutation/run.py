@@ -74,7 +74,7 @@ RELATED_TESTS = {
                        "test_graph_capture.py", "test_locks.py", "test_copy.py", "test_every_call_fails.py"],
     "dlpack_to_cai.c": ["test_view_buffer.py", "test_exchange_consumer.py", "test_handed_out_objects.py",
                         "test_lifetime.py", "test_errors.py", "test_streams.py", "test_low_precision.py",
-                        "test_graph_capture.py", "test_every_call_fails.py"],
+                        "test_graph_capture.py", "test_every_call_fails.py", "test_out_of_memory.py"],
     "dtype.c": ["test_low_precision.py", "test_errors.py", "test_cai_path.py", "test_buffer_path.py",
                 "test_fresh_dict_reader.py", "test_dlpack_1_4.py"],
     "exchange_alloc.c": ["test_exchange_allocator.py", "test_every_call_fails.py"],
