@@ -466,35 +466,21 @@ class InstanceInterface:
         self.__cuda_array_interface__ = iface
 
 
-def test_device_copy_refusal_lists_strides_while_its_text_is_short(cudart):
+@pytest.mark.parametrize("first, listed_length, shown", [(10**10 + 7, 375, 28), (10**11 + 7, 376, 27)],
+                         ids=["375 characters: one more listed", "376 characters: the list stops"])
+def test_device_copy_refusal_lists_strides_while_its_text_is_short(cudart, first, listed_length, shown):
     """The refusal names the element strides entry by entry while fewer than 376 characters are written (64
-    dimensions' worth would be unreadable): here the first 27 make 375 characters, so a 28th is listed, and no
-    more."""
-    strides = [10**10 + 7] + [10**11 + 1000 * i + 3 for i in range(1, 40)]  # bytes of |u1 items: never merged
-    listed = ", ".join(map(str, strides[:27]))
-    assert len(listed) == 375
+    dimensions' worth would be unreadable): where the first 27 make 375 characters a 28th is listed, and no more;
+    where they make exactly 376 the list stops there (a 28th would have to be cut short in the text's 400 bytes)."""
+    strides = [first] + [10**11 + 1000 * i + 3 for i in range(1, 40)]  # bytes of |u1 items: never merged
+    assert len(", ".join(map(str, strides[:27]))) == listed_length
     pointer = 0x7E00_0000_0000
     cudart.add_region(pointer, sum(strides) + 1, DEVICE, 0)
     obj = InstanceInterface({"shape": (2,) * 40, "typestr": "|u1", "strides": tuple(strides),
                              "data": (pointer, False), "version": 3, "stream": None})
     with pytest.raises(BufferError) as refused:
         DLPackShim(obj).__dlpack__(copy=True)
-    assert f"element strides ({listed}, {strides[27]}) would take more than" in str(refused.value)
-
-
-def test_device_copy_refusal_lists_no_stride_past_376_characters(cudart):
-    """The edge of the same rule: where the strides listed come to exactly 376 characters (27 of them here), the
-    list stops there; a 28th would have to be cut short in the text's 400 bytes."""
-    strides = [10**11 + 7] + [10**11 + 1000 * i + 3 for i in range(1, 40)]  # bytes of |u1 items: never merged
-    listed = ", ".join(map(str, strides[:27]))
-    assert len(listed) == 376
-    pointer = 0x7E00_0000_0000
-    cudart.add_region(pointer, sum(strides) + 1, DEVICE, 0)
-    obj = InstanceInterface({"shape": (2,) * 40, "typestr": "|u1", "strides": tuple(strides),
-                             "data": (pointer, False), "version": 3, "stream": None})
-    with pytest.raises(BufferError) as refused:
-        DLPackShim(obj).__dlpack__(copy=True)
-    assert f"element strides ({listed}) would take more than" in str(refused.value)
+    assert f"element strides ({', '.join(map(str, strides[:shown]))}) would take more than" in str(refused.value)
 
 
 @pytest.mark.parametrize("call", ["cudaMemcpyAsync", "cudaMemcpy2DAsync"])
