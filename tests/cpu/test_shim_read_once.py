@@ -176,6 +176,17 @@ def test_host_memory_needs_no_reading_to_name_its_device():
         shim.__dlpack__()
 
 
+def test_naming_the_device_of_an_instances_host_interface_keeps_no_reference_to_it():
+    """The instance's own __array_interface__ is only asked for (its presence says host memory): the dict the
+    lookup returned is let go, 100 calls later its count is as before."""
+    iface = dict(np.arange(6.0).__array_interface__)
+    shim = DLPackShim(ReadyHost(iface))
+    before = sys.getrefcount(iface)
+    for _ in range(100):
+        assert shim.__dlpack_device__() == (1, 0)
+    assert sys.getrefcount(iface) == before
+
+
 def test_an_object_with_neither_interface_is_refused_by_either_call():
     shim = DLPackShim(object())
     for call in (shim.__dlpack_device__, shim.__dlpack__):
