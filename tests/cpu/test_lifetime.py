@@ -580,3 +580,29 @@ def test_no_growth_over_many_conversions(cudart, label):
     if not UNDER_ASAN:  # ASan's quarantine keeps freed blocks resident on purpose
         assert min(rss_growth) < 1 << 20, (label, rss_growth)  # (the resident size of 3.13t's heaps swings too)
     assert all(abs(a - b) < 50 for a, b in zip(refs_before, refs_after)), (label, refs_before, refs_after)
+
+
+def allocations_of_holding(array, count):
+    """How many blocks Python's allocators hand out while count exports of array are made and held."""
+    held = [None] * count
+    tracemalloc.start()
+    try:
+        for i in range(count):
+            held[i] = cai2dlpack(array)
+        snapshot = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    return sum(stat.count for stat in snapshot.statistics("filename") if stat.traceback[0].filename == __file__)
+
+
+@pytest.mark.skipif(not getattr(sys, "_is_gil_enabled", lambda: True)(),
+                    reason="a free-threaded build allocates each export's block (keeping freed ones would need a lock)")
+def test_the_blocks_of_eight_dropped_exports_serve_the_next_eight():
+    """An export of up to four dimensions takes a block that an earlier one gave back, while any is kept (eight at
+    most): after eight held exports are dropped, eight more allocate only their capsules; a ninth its block too."""
+    x = np.zeros((2, 3), dtype=np.float32)
+    held = [cai2dlpack(x) for _ in range(8)]
+    del held
+    assert allocations_of_holding(x, 8) == 8
+    assert allocations_of_holding(x, 9) == 9 + 1
+    assert allocations_of_holding(np.zeros((1,) * 5, dtype=np.float32), 8) == 8 + 8  # five dimensions: none kept
