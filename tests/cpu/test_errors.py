@@ -429,6 +429,18 @@ def test_data_plus_byte_offset_that_wraps_is_refused(shape):
     assert made.deleted == 1
 
 
+def test_data_plus_byte_offset_at_the_last_address_does_not_wrap():
+    """data + byte_offset == 2**64 - 1 is the last address, not past it: an empty tensor there is viewed (its view
+    names no memory: data 0, as every empty view's)."""
+    data = HOST.__array_interface__["data"][0]
+    made = MadeTensor(data=data, shape=(0,), byte_offset=2**64 - 1 - data)
+    view = dlpack2cai(made.capsule)
+    assert view.__array_interface__["shape"] == (0,)
+    assert view.__array_interface__["data"] == (0, False)
+    del view
+    assert made.deleted == 1
+
+
 def test_made_tensor_with_byte_offset_and_null_strides():
     base = np.arange(10, dtype=np.int16)
     made = MadeTensor(data=base.__array_interface__["data"][0], dtype=(0, 16, 1), shape=(2, 3), byte_offset=4,
