@@ -1095,12 +1095,27 @@ def test_a_release_whose_stream_ran_before_the_main_thread_came_back_is_made_by_
     watch, drop = shim_tensor_with_work_queued(late, pool)
     late.fail("cudaLaunchHostFunc", 2)
 
+    # The main thread must run no bytecode between the drop and the stream's run (it would make the drop's pending
+    # call then, too early to find the stream ran): it waits in C, on a lock, and with the GIL's switch interval
+    # long, gives the GIL up only there.
+    go, done = threading.Event(), threading.Lock()
+    done.acquire()
+
     def drop_and_run():
+        go.wait()
         drop()
         late.run_stream(S2)
+        done.release()
 
     thread = threading.Thread(target=drop_and_run)
-    thread.start()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        thread.start()
+        go.set()
+        done.acquire()
+    finally:
+        sys.setswitchinterval(interval)
     thread.join()
     for _ in range(1000):  # bytecode only: the interpreter makes its pending calls here
         if watch() is None:
