@@ -453,7 +453,8 @@ def fault_case(cudart, scenario, call, occurrence):
                                                             Run(cudart, scenario, call, occurrence))]
     run = Run(cudart, scenario, call, occurrence)
     problems += [f"{where}, again: {problem}" for problem in judge(cudart, scenario, call, occurrence, run)]
-    if cudart.events_alive != run.events_before:
+    # (fewer is no leak: a failed record destroys its event, which may be a spare an earlier test left kept)
+    if cudart.events_alive > run.events_before:
         problems.append(f"{where}, again: {cudart.events_alive - run.events_before} more events alive")
     Run(cudart, scenario)  # refills what the failures took from the pools
     run = Run(cudart, scenario)
