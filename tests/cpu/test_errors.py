@@ -608,18 +608,23 @@ def test_keys_that_are_equal_strings_but_not_the_interned_names_are_read():
     assert read_capsule(cai2dlpack(HostInterface(built))) == read_capsule(cai2dlpack(HostInterface(literal)))
 
 
-def test_a_producer_device_that_is_no_device_pair_is_left_to_its_dlpack(cudart):
+@pytest.mark.parametrize("device", ["cpu", ("cuda", 0), (2,), (2, 0, 0)], ids=["a str", "a named type", "one int",
+                                                                              "three ints"])
+def test_a_producer_device_that_is_no_device_pair_is_left_to_its_dlpack(cudart, device):
     """With a runtime loaded, the legacy stream's capture check asks the producer's device: an answer that is no
     (type, id) pair of ints asks nothing of the runtime, and __dlpack__ gives the tensor (its reader names a
-    malformed device in its own words)."""
+    malformed device in its own words); a tuple the check could not read leaves no error of its own behind."""
     x = np.arange(3.0)
     cai_dlpack.cuda_runtime_info()  # the runtime is loaded
 
     class NamedDevice:
         def __dlpack_device__(self):
-            return "cpu"
+            return device
 
         def __dlpack__(self, **kwargs):
+            # A C call first: had the check left its parse error set, this call's result would come with an
+            # exception set, and raise SystemError (the call below alone does not tell: NumPy hides it).
+            assert len(kwargs) >= 0
             return x.__dlpack__(**kwargs)
 
     view = dlpack2cai(NamedDevice())
