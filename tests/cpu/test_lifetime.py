@@ -497,7 +497,46 @@ def paths(cudart):
         "error: cuda": cuda_failure,
         "error: used capsule": expect(BufferError, dlpack2cai, _used_capsule()),
         "error: bad tensor": bad_tensor,
+        # Paths of the shim's device question, copies and views not taken above.
+        "shim device of an instance's host interface": lambda: DLPackShim(HostInstance()).__dlpack_device__(),
+        "shim device then dlpack of a fresh CAI dict": shim_device_then_dlpack(FreshCai(device)),
+        "host copy": lambda: np.from_dlpack(DLPackShim(host_owner), copy=True),
+        "device copy": lambda: DLPackShim(device).__dlpack__(stream=0x6000, copy=True, max_version=(1, 0)),
+        "device to host copy": lambda: DLPackShim(device).__dlpack__(dl_device=(1, 0), max_version=(1, 0)),
+        "view's host interface and its dlpack": lambda: np.from_dlpack(dlpack2cai(cai2dlpack(host_owner))),
+        "error: a shim of neither interface": expect(TypeError, DLPackShim(object()).__dlpack_device__),
+        "error: a producer device no pair of ints": expect(BufferError, dlpack2cai, UnnamedDevice(device)),
     }
+
+
+def shim_device_then_dlpack(obj):
+    def run():
+        shim = DLPackShim(obj)
+        shim.__dlpack_device__()
+        shim.__dlpack__(stream=0x6000, max_version=(1, 0))
+    return run
+
+
+class HostInstance:
+    """Host memory behind an __array_interface__ dict of the instance's own, made with each instance."""
+
+    def __init__(self):
+        self.buffer = bytearray(8)
+        self.__array_interface__ = {"shape": (8,), "typestr": "|u1", "data": self.buffer, "version": 3}
+
+
+class UnnamedDevice:
+    """A producer whose __dlpack_device__ is a tuple the legacy-stream check cannot read and whose __dlpack__
+    refuses (the check's parse error must not be left behind it)."""
+
+    def __init__(self, like):
+        self.like = like
+
+    def __dlpack_device__(self):
+        return ("cuda", 0)
+
+    def __dlpack__(self, **kwargs):
+        raise BufferError("no tensor")
 
 
 class StreamObject:
@@ -544,7 +583,9 @@ PATH_NAMES = [
     "shim into torch",
     "torch into view into numpy", "view handed on", "device view interface", "error: typestr", "error: missing key",
     "numpy refuses a device tensor", "error: stream", "error: unregistered", "error: read-only legacy", "error: cuda", "error: used capsule",
-    "error: bad tensor",
+    "error: bad tensor", "shim device of an instance's host interface", "shim device then dlpack of a fresh CAI dict",
+    "host copy", "device copy", "device to host copy", "view's host interface and its dlpack",
+    "error: a shim of neither interface", "error: a producer device no pair of ints",
 ]
 
 
