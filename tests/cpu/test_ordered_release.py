@@ -1489,3 +1489,41 @@ def test_exit_with_nothing_pending_does_not_wait():
     wait polls without the GIL), and a thread waiting for the GIL does not run during it. Called directly, in a
     fresh process (the handler also stops scheduling collections for the rest of the process)."""
     assert child_output(EXIT_WITH_NOTHING_PENDING_SCRIPT) == ["pending", "0", "others-ran", "False"]
+
+
+def test_drops_on_another_thread_take_one_pending_call_slot_between_collections(late):
+    """Each drop on a thread other than the main one asks for a collection, but the pending call is scheduled once
+    until it runs: CPython's few slots of pending calls (32 on 3.11, for the main thread's) stay free for others. Here
+    400 drops are made while the main thread waits in C (so runs no pending call), then another pending call is
+    added: it finds a slot."""
+    x = Pool(late).take(ORIGINAL)
+    drops = [through_shim(x)[1] for _ in range(400)]
+    late.launch_kernel(S2, lambda: None)
+    ran = []
+    callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda _: ran.append(True) or 0)
+    added = []
+    go, done = threading.Event(), threading.Lock()
+    done.acquire()
+
+    def drop_all():
+        go.wait()
+        for drop in drops:
+            drop()
+        added.append(ctypes.pythonapi.Py_AddPendingCall(callback, None))
+        done.release()
+
+    thread = threading.Thread(target=drop_all)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        thread.start()
+        go.set()
+        done.acquire()  # in C: no pending call runs until the drops and the addition are made
+    finally:
+        sys.setswitchinterval(interval)
+    thread.join()
+    assert added == [0]
+    for _ in range(1000):  # bytecode: the pending calls run here
+        if ran:
+            break
+    assert ran == [True]
