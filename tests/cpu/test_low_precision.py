@@ -228,3 +228,22 @@ def test_no_buffer_format_is_given_for_a_type_none_names(dtype, bits_type):
     assert a.__array_interface__["data"][0] == t.data_ptr()
     assert np.array_equal(a.view(np.int16 if bits_type == torch.int16 else np.uint8), t.view(bits_type).numpy())
 
+
+
+class DescrNamedByNoStr:
+    """An ml_dtypes array's interface whose descr names its one field with name (not a str); its dtype is the array's."""
+
+    def __init__(self, array, name):
+        self.array = array
+        self.dtype = array.dtype
+        self.__array_interface__ = dict(array.__array_interface__, descr=[(name, array.dtype.str)])
+
+
+@pytest.mark.parametrize("name", [b"bfloat16", 7, ("bfloat16",)], ids=["bytes", "an int", "a tuple"])
+def test_a_descr_whose_name_is_no_str_is_passed_over_for_the_objects_dtype(name):
+    """Only a str names a type in a descr: any other name is passed over, and the object's own dtype names it
+    (bfloat16 here), as if the descr named nothing."""
+    a = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    t = torch.from_dlpack(cai2dlpack(DescrNamedByNoStr(a, name)))
+    assert t.dtype == torch.bfloat16
+    assert t.data_ptr() == a.ctypes.data
