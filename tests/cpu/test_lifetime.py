@@ -647,3 +647,22 @@ def test_the_blocks_of_eight_dropped_exports_serve_the_next_eight():
     assert allocations_of_holding(x, 8) == 8
     assert allocations_of_holding(x, 9) == 9 + 1
     assert allocations_of_holding(np.zeros((1,) * 5, dtype=np.float32), 8) == 8 + 8  # five dimensions: none kept
+
+
+def traced_bytes_of_holding(array):
+    """Bytes Python's allocators hand out for one export of array, held."""
+    tracemalloc.start()
+    try:
+        held = cai2dlpack(array)
+        snapshot = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    del held
+    return sum(stat.size for stat in snapshot.statistics("filename") if stat.traceback[0].filename == __file__)
+
+
+def test_an_exports_block_grows_by_its_shape_and_stride_per_dimension():
+    """Past the four dimensions a kept block has room for, a block is made for its tensor: one more dimension costs
+    its shape and its stride, 16 bytes, and nothing more."""
+    sizes = [traced_bytes_of_holding(np.zeros((1,) * ndim, dtype=np.float32)) for ndim in (5, 6, 7, 12)]
+    assert [b - a for a, b in zip(sizes, sizes[1:])] == [16, 16, 5 * 16]
