@@ -666,3 +666,29 @@ def test_an_exports_block_grows_by_its_shape_and_stride_per_dimension():
     its shape and its stride, 16 bytes, and nothing more."""
     sizes = [traced_bytes_of_holding(np.zeros((1,) * ndim, dtype=np.float32)) for ndim in (5, 6, 7, 12)]
     assert [b - a for a, b in zip(sizes, sizes[1:])] == [16, 16, 5 * 16]
+
+
+class HostProperty:
+    """Host memory behind an __array_interface__ property of the type (its instances have a dict too)."""
+
+    def __init__(self):
+        self.array = np.arange(4.0)
+
+    @property
+    def __array_interface__(self):
+        return self.array.__array_interface__
+
+
+@pytest.mark.parametrize("convert", [cai2dlpack, lambda obj: DLPackShim(obj).__dlpack__(),
+                                     lambda obj: DLPackShim(obj).__dlpack_device__()],
+                         ids=["cai2dlpack", "a shim's __dlpack__", "a shim's __dlpack_device__"])
+def test_conversions_keep_no_reference_to_the_types_interface_attributes(convert):
+    """The type's attributes a conversion looks up (its __array_interface__ property, and the absent CUDA one) are
+    let go of: a property's count is as before after 100 conversions (a kept reference is one a conversion, and the
+    property would never be freed)."""
+    obj = HostProperty()
+    attribute = HostProperty.__dict__["__array_interface__"]
+    before = sys.getrefcount(attribute)
+    for _ in range(100):
+        convert(obj)
+    assert sys.getrefcount(attribute) == before
