@@ -656,19 +656,29 @@ def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
         if not tests or (stage == "whole CPU suite" and args.no_suite):
             continue
         result["stage"] = stage
+        unconfirmed = []  # tests that failed with the others but passed alone on the mutant: left out, and go on
         while True:
-            outcome, detail = run_pytest(tests, installed, timeout, baseline.failing)
-            if outcome in ("pass", "guard"):
+            outcome, detail = run_pytest(tests, installed, timeout, baseline.failing + unconfirmed)
+            if outcome == "pass" and unconfirmed:
+                outcome, detail = "inconclusive", (f"{unconfirmed[0]} failed with the others but passes alone on the "
+                                                   "mutant too (flaky, or hanging on an earlier test), and no other "
+                                                   "test fails")
+            if outcome in ("pass", "guard", "inconclusive"):
                 break
             # A kill counts when the failing test passes on the unmutated module, and fails again on the mutant
             # when run alone: a test that failed only in the company of others (flaky under load, or hanging on
-            # what an earlier test left) proves nothing about this mutant.
+            # what an earlier test left) proves nothing about this mutant; it is left out and the tests after it
+            # run (three such tests at most: then the mutant is inconclusive).
             if is_test_id(detail):
                 if baseline.passes(detail):
                     again, _ = run_pytest([detail], installed, args.test_timeout, [])
                     if again == "pass":
-                        outcome, detail = "inconclusive", (f"{detail} failed with the others but passes alone on the "
-                                                           "mutant too (flaky, or hanging on an earlier test)")
+                        unconfirmed.append(detail)
+                        if len(unconfirmed) < 3:
+                            continue
+                        outcome, detail = "inconclusive", (f"{', '.join(unconfirmed)} failed with the others but pass "
+                                                           "alone on the mutant too (flaky, or hanging on an earlier "
+                                                           "test)")
                     break
                 continue
             # Nothing names a test (a crash, a hang, a plugin's or the collection's error): a kill counts when the
