@@ -239,6 +239,7 @@ def test_strides_of_dimensions_of_extent_one_may_be_any_bytes():
     (dict(max_version=(1,)), TypeError, "max_version"),
     (dict(max_version=("1", 0)), TypeError, "max_version must be None or a (major, minor) tuple of ints, not ('1', 0)"),
     (dict(max_version=(1, 0.5)), TypeError, "max_version must be None or a (major, minor) tuple of ints, not (1, 0.5)"),
+    (dict(max_version=(2**64, 0)), OverflowError, "too large to convert to C long"),
     (dict(colour=1), TypeError, "unexpected keyword argument 'colour'"),
 ])
 def test_dlpack_argument_errors(kwargs, error, message):
