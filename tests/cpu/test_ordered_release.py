@@ -1103,9 +1103,11 @@ def test_a_release_whose_stream_ran_before_the_main_thread_came_back_is_made_by_
 
     def drop_and_run():
         go.wait()
-        drop()
-        late.run_stream(S2)
-        done.release()
+        try:
+            drop()
+            late.run_stream(S2)
+        finally:
+            done.release()  # a failure here must fail the test, not leave the main thread waiting
 
     thread = threading.Thread(target=drop_and_run)
     interval = sys.getswitchinterval()
@@ -1113,7 +1115,7 @@ def test_a_release_whose_stream_ran_before_the_main_thread_came_back_is_made_by_
     try:
         thread.start()
         go.set()
-        done.acquire()
+        assert done.acquire(timeout=60)
     finally:
         sys.setswitchinterval(interval)
     thread.join()
@@ -1507,10 +1509,12 @@ def test_drops_on_another_thread_take_one_pending_call_slot_between_collections(
 
     def drop_all():
         go.wait()
-        for drop in drops:
-            drop()
-        added.append(ctypes.pythonapi.Py_AddPendingCall(callback, None))
-        done.release()
+        try:
+            for drop in drops:
+                drop()
+            added.append(ctypes.pythonapi.Py_AddPendingCall(callback, None))
+        finally:
+            done.release()  # a failure here must fail the test, not leave the main thread waiting
 
     thread = threading.Thread(target=drop_all)
     interval = sys.getswitchinterval()
@@ -1518,7 +1522,7 @@ def test_drops_on_another_thread_take_one_pending_call_slot_between_collections(
     try:
         thread.start()
         go.set()
-        done.acquire()  # in C: no pending call runs until the drops and the addition are made
+        assert done.acquire(timeout=60)  # in C: no pending call runs until the drops and the addition are made
     finally:
         sys.setswitchinterval(interval)
     thread.join()
