@@ -651,18 +651,20 @@ def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
         return result
     related = [os.path.join("tests", "cpu", t) for t in RELATED_TESTS.get(site.file, [])]
     suite = ["tests/cpu"] + [arg for t in SUITE_EXCLUDED for arg in ("--ignore", os.path.join("tests", "cpu", t))]
-    for stage, tests, timeout in (("related tests", related, args.test_timeout),
-                                  ("whole CPU suite", suite, args.suite_timeout)):
-        if not tests or (stage == "whole CPU suite" and args.no_suite):
-            continue
+    stages = [(stage, tests, timeout) for stage, tests, timeout in
+              (("related tests", related, args.test_timeout), ("whole CPU suite", suite, args.suite_timeout))
+              if tests and not (stage == "whole CPU suite" and args.no_suite)]
+    unconfirmed = []  # tests that failed with the others but passed alone on the mutant: left out, and go on
+    outcome, detail = "pass", ""
+    for number, (stage, tests, timeout) in enumerate(stages, start=1):
         result["stage"] = stage
-        unconfirmed = []  # tests that failed with the others but passed alone on the mutant: left out, and go on
         while True:
             outcome, detail = run_pytest(tests, installed, timeout, baseline.failing + unconfirmed)
-            if outcome == "pass" and unconfirmed:
-                outcome, detail = "inconclusive", (f"{unconfirmed[0]} failed with the others but passes alone on the "
-                                                   "mutant too (flaky, or hanging on an earlier test), and no other "
-                                                   "test fails")
+            if outcome == "pass" and unconfirmed and number == len(stages):
+                # (at an earlier stage a pass goes on to the next, with those tests still left out)
+                outcome, detail = "inconclusive", (f"{', '.join(unconfirmed)} failed with the others but passed "
+                                                   "alone on the mutant too (flaky, or hanging on an earlier test), "
+                                                   "and no other test fails")
             if outcome in ("pass", "guard", "inconclusive"):
                 break
             # A kill counts when the failing test passes on the unmutated module, and fails again on the mutant
