@@ -242,6 +242,16 @@ def test_an_ndarray_is_read_from_its_fields_and_holds_no_buffer_export():
         capsule = cai2dlpack(array)
         assert sys.getrefcount(array) == before + 1, dtype
         del capsule
+    # Strides that are no multiple of the itemsize where an extent of 1 never steps, in arrays neither C nor
+    # Fortran contiguous: still the fields.
+    base = np.zeros(16)
+    for shape, strides in [((1, 3), (3, 16)), ((3, 1), (16, 5)), ((2, 1, 2), (64, 1, 16))]:
+        odd = np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides)
+        assert not (odd.flags.c_contiguous or odd.flags.f_contiguous)
+        before = sys.getrefcount(odd)
+        capsule = cai2dlpack(odd)
+        assert sys.getrefcount(odd) == before + 1, strides
+        del capsule
     for dtype in DTYPES:  # every type the buffer's formats name, the complex ones ('Zf', 'Zd') included
         sub = sample(dtype).view(Subclass)
         before = sys.getrefcount(sub)
