@@ -636,7 +636,7 @@ def allocations_of_holding(array, count):
     return sum(stat.count for stat in snapshot.statistics("filename") if stat.traceback[0].filename == __file__)
 
 
-@pytest.mark.skipif(not getattr(sys, "_is_gil_enabled", lambda: True)(),
+@pytest.mark.skipif(FREE_THREADED,
                     reason="a free-threaded build allocates each export's block (keeping freed ones would need a lock)")
 def test_the_blocks_of_eight_dropped_exports_serve_the_next_eight():
     """An export of up to four dimensions takes a block that an earlier one gave back, while any is kept (eight at
