@@ -367,3 +367,19 @@ def test_the_test_hook_turns_keeping_off_and_on_and_raises_what_truth_raises():
         assert _core._set_interface_cache([1])["enabled"] is True
     assert converted(holding(iface))[0] == (0, 1)
     assert converted(holding(iface))[0] == (1, 0)
+
+
+@pytest.mark.parametrize("length", [0, 4], ids=["empty", "four bytes"])
+def test_a_dict_over_a_buffer_object_is_never_kept(length):
+    """A buffer object's memory is held by an export per conversion, and can move between them (a bytearray that
+    grows): a dict whose data is one is read afresh every time, even an empty one, and each tensor holds its own
+    export."""
+    data = bytearray(length)
+    made = holding({"shape": (length,), "typestr": "|u1", "data": data, "version": 3})
+    _, stores = counts()
+    for _ in range(3):
+        capsule = cai2dlpack(made)
+        with pytest.raises(BufferError):
+            data.extend(b"more")  # the export this tensor holds forbids it
+        del capsule
+    assert counts()[1] == stores
