@@ -1531,3 +1531,69 @@ def test_drops_on_another_thread_take_one_pending_call_slot_between_collections(
         if ran:
             break
     assert ran == [True]
+
+
+def on_a_worker_while_the_main_thread_waits_in_c(work):
+    """Runs work on another thread while this one waits in C (so runs no pending call), the GIL's switch interval
+    long; re-raises what work raised."""
+    go, done, failed = threading.Event(), threading.Lock(), []
+    done.acquire()
+
+    def run():
+        go.wait()
+        try:
+            work()
+        except BaseException as error:  # noqa: B036 (handed to the main thread)
+            failed.append(error)
+        finally:
+            done.release()
+
+    thread = threading.Thread(target=run)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        thread.start()
+        go.set()
+        assert done.acquire(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    thread.join()
+    if failed:
+        raise failed[0]
+
+
+def test_a_collection_cpython_had_no_slot_for_is_scheduled_by_the_next_drop(late):
+    """A drop whose collection cannot be scheduled (CPython's pending calls all taken) leaves none scheduled, so the
+    next drop schedules it: its release, and the first's, are made as soon as the main thread runs again."""
+    x = Pool(late).take(ORIGINAL)
+    watch = weakref.ref(x)
+    first, second = through_shim(x)[1], through_shim(x)[1]
+    del x
+    late.launch_kernel(S2, lambda: None)
+    late.fail("cudaLaunchHostFunc", 2, count=2)  # no host function schedules a collection: only the drops
+    fillers = []
+    callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda _: fillers.append(True) or 0)
+
+    def fill_then_drop():
+        for _ in range(10000):  # CPython keeps a few dozen, a few hundred at most
+            if ctypes.pythonapi.Py_AddPendingCall(callback, None) != 0:
+                break
+        else:
+            raise AssertionError("CPython's pending calls never filled")
+        first()
+
+    on_a_worker_while_the_main_thread_waits_in_c(fill_then_drop)
+    for _ in range(1000):  # bytecode: the fillers run here, and free the slots
+        if fillers:
+            break
+    assert fillers and watch() is not None
+
+    def drop_then_run():
+        second()
+        late.run_stream(S2)
+
+    on_a_worker_while_the_main_thread_waits_in_c(drop_then_run)
+    for _ in range(1000):  # bytecode: the pending call the second drop scheduled runs here
+        if watch() is None:
+            break
+    assert watch() is None, "released only at a later conversion"
