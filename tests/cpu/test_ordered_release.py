@@ -1086,6 +1086,35 @@ def test_a_refused_host_function_leaves_the_release_to_the_next_collection_and_n
     assert _core._pending_releases()["pending"] == 0 and watch() is None
 
 
+def on_a_worker_while_the_main_thread_waits_in_c(work):
+    """Runs work on another thread while this one waits in C (so runs no pending call), the GIL's switch interval
+    long; re-raises what work raised."""
+    go, done, failed = threading.Event(), threading.Lock(), []
+    done.acquire()
+
+    def run():
+        go.wait()
+        try:
+            work()
+        except BaseException as error:  # noqa: B036 (handed to the main thread)
+            failed.append(error)
+        finally:
+            done.release()
+
+    thread = threading.Thread(target=run)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        thread.start()
+        go.set()
+        assert done.acquire(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    thread.join()
+    if failed:
+        raise failed[0]
+
+
 def test_a_release_whose_stream_ran_before_the_main_thread_came_back_is_made_by_the_drops_own_pending_call(late):
     """A drop on another thread schedules a collection itself, not only through the host function it queues after
     the event: here that host function is refused and the dropping thread runs the stream before the main thread
@@ -1096,29 +1125,12 @@ def test_a_release_whose_stream_ran_before_the_main_thread_came_back_is_made_by_
     late.fail("cudaLaunchHostFunc", 2)
 
     # The main thread must run no bytecode between the drop and the stream's run (it would make the drop's pending
-    # call then, too early to find the stream ran): it waits in C, on a lock, and with the GIL's switch interval
-    # long, gives the GIL up only there.
-    go, done = threading.Event(), threading.Lock()
-    done.acquire()
-
+    # call then, too early to find the stream ran).
     def drop_and_run():
-        go.wait()
-        try:
-            drop()
-            late.run_stream(S2)
-        finally:
-            done.release()  # a failure here must fail the test, not leave the main thread waiting
+        drop()
+        late.run_stream(S2)
 
-    thread = threading.Thread(target=drop_and_run)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1000.0)
-    try:
-        thread.start()
-        go.set()
-        assert done.acquire(timeout=60)
-    finally:
-        sys.setswitchinterval(interval)
-    thread.join()
+    on_a_worker_while_the_main_thread_waits_in_c(drop_and_run)
     for _ in range(1000):  # bytecode only: the interpreter makes its pending calls here
         if watch() is None:
             break
@@ -1504,62 +1516,18 @@ def test_drops_on_another_thread_take_one_pending_call_slot_between_collections(
     ran = []
     callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda _: ran.append(True) or 0)
     added = []
-    go, done = threading.Event(), threading.Lock()
-    done.acquire()
 
     def drop_all():
-        go.wait()
-        try:
-            for drop in drops:
-                drop()
-            added.append(ctypes.pythonapi.Py_AddPendingCall(callback, None))
-        finally:
-            done.release()  # a failure here must fail the test, not leave the main thread waiting
+        for drop in drops:
+            drop()
+        added.append(ctypes.pythonapi.Py_AddPendingCall(callback, None))
 
-    thread = threading.Thread(target=drop_all)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1000.0)
-    try:
-        thread.start()
-        go.set()
-        assert done.acquire(timeout=60)  # in C: no pending call runs until the drops and the addition are made
-    finally:
-        sys.setswitchinterval(interval)
-    thread.join()
+    on_a_worker_while_the_main_thread_waits_in_c(drop_all)
     assert added == [0]
     for _ in range(1000):  # bytecode: the pending calls run here
         if ran:
             break
     assert ran == [True]
-
-
-def on_a_worker_while_the_main_thread_waits_in_c(work):
-    """Runs work on another thread while this one waits in C (so runs no pending call), the GIL's switch interval
-    long; re-raises what work raised."""
-    go, done, failed = threading.Event(), threading.Lock(), []
-    done.acquire()
-
-    def run():
-        go.wait()
-        try:
-            work()
-        except BaseException as error:  # noqa: B036 (handed to the main thread)
-            failed.append(error)
-        finally:
-            done.release()
-
-    thread = threading.Thread(target=run)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1000.0)
-    try:
-        thread.start()
-        go.set()
-        assert done.acquire(timeout=60)
-    finally:
-        sys.setswitchinterval(interval)
-    thread.join()
-    if failed:
-        raise failed[0]
 
 
 def test_a_collection_cpython_had_no_slot_for_is_scheduled_by_the_next_drop(late):
