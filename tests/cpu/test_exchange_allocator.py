@@ -287,6 +287,29 @@ def test_a_host_tensors_block_goes_back_to_the_c_heap_when_it_is_deleted():
     assert c_heap_bytes() - before < 1 << 20
 
 
+def test_a_host_tensors_block_takes_its_bytes_and_no_more():
+    """A 1 MiB host tensor takes 1 MiB of the C heap and the allocator's own few KiB, not a 64th more (16 KiB)."""
+    if c_heap_bytes() is None:
+        pytest.skip("this C library cannot say how much of its heap is in use (mallinfo2)")
+    before = c_heap_bytes()
+    made = doors.allocate((1, 8, 1), [1 << 20], (CPU, 0))
+    try:
+        assert 1 << 20 <= c_heap_bytes() - before < (1 << 20) + 8192
+    finally:
+        made.delete()
+
+
+def test_a_prototype_of_64_dimensions_is_made_and_one_of_65_refused():
+    """64 dimensions, the most a DLPack tensor of ours has, are made; 65 are refused."""
+    made = doors.allocate((2, 32, 1), [1] * 64, (CPU, 0))
+    try:
+        assert made.fields()["shape"] == (1,) * 64
+    finally:
+        made.delete()
+    with pytest.raises(doors.AllocationRefused, match="bad prototype ndim or shape"):
+        doors.allocate((2, 32, 1), [1] * 65, (CPU, 0))
+
+
 def test_an_empty_prototype_whose_strides_just_fit_is_made(cudart):
     """No elements, so no bytes: its contiguous strides (2**62, 2, 1) fit in 64 bits, and it is made with them."""
     made = doors.allocate((2, 32, 1), [0, 2**61, 2], (CPU, 0))

@@ -320,6 +320,20 @@ def test_a_runtime_lacking_its_capture_query_is_refused_and_unloaded(tmp_path):
                    "cudaStreamGetCaptureInfo)\nSTILL LOADED False"), out
 
 
+def test_a_library_lacking_a_runtime_symbol_is_refused_and_unloaded(tmp_path):
+    """A library that lacks one of the symbols every runtime has (cudaGetErrorName) is no CUDA runtime: refused
+    at load, naming the symbol, and closed again."""
+    from support.cuda_double import SOURCE
+
+    path = tmp_path / "libcudart_without_error_name.so"
+    subprocess.run([compiler(), "-shared", "-fPIC", "-O1", "-pthread", "-DcudaGetErrorName=error_name_renamed",
+                    SOURCE, "-o", str(path)], check=True)
+    out = run_probe(probe=STILL_LOADED + PROBE + f"print('STILL LOADED', still_loaded({str(path)!r}))\n",
+                    CAI_DLPACK_CUDART=str(path))
+    assert out == (f"ERROR RuntimeError CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded: {path} (lacks "
+                   "cudaGetErrorName)\nSTILL LOADED False"), out
+
+
 def test_a_runtime_found_after_another_load_won_is_closed_again(tmp_path):
     """The wheel search finds a runtime of its own after the import of 'nvidia' loaded another (as a search on
     another thread may finish first): the one loaded first is the one in use, and the one found later is closed."""
