@@ -464,3 +464,19 @@ def test_without_driver_entry_points_a_failed_set_device_raises_the_runtimes_err
         "cudaSetDevice 101 cudaErrorInvalidDevice",
         "cudaSetDevice failed: cudaErrorInvalidDevice (invalid device ordinal)",
         f"ordered {ordered}", f"current {left_on} last error 0"]
+
+
+def test_device_0s_primary_context_retained_for_a_scope_is_released_after_it(cudart):
+    """Device 0 is a device like any other: once its primary context is active, each scope that enters it from
+    another device's context retains it and releases it again (a retain kept would keep it alive for good)."""
+    host = np.zeros(4, dtype=np.float32)
+    register(cudart, host, DEVICE, device=0)
+    obj = CaiArray(host, stream=1)
+    cudart.current_device = 1
+    cai2dlpack(obj, stream=S2)  # device 0's context is made, and the pooled event
+    cudart.clear_log()
+    for _ in range(3):
+        cai2dlpack(obj, stream=S2)
+    log = cudart.log()
+    assert log.count("cuDevicePrimaryCtxRetain(0)") >= 3
+    assert log.count("cuDevicePrimaryCtxRelease(0)") == log.count("cuDevicePrimaryCtxRetain(0)")
