@@ -731,3 +731,15 @@ def test_a_pinned_view_for_a_default_stream_raises_when_the_runtime_cannot_load(
     assert lines[0].startswith("ERROR RuntimeError CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded: "
                                "/nowhere/libcudart.so.99"), lines
     assert lines[1:] == ["deleted 1"]
+
+
+@pytest.mark.parametrize("kwargs", [dict(dl_device=None, copy=False), dict(dl_device=None, copy=None)],
+                         ids=["no device, no copy", "no device, copy None"])
+def test_a_views_dlpack_owes_the_host_wait_to_a_consumer_that_takes_it_where_it_is(cudart, host_accessible, kwargs):
+    """A consumer of pinned or managed memory that names no stream and no device (None), and asks for no copy, reads
+    it on the host where it is: it is owed the host readers' wait, once."""
+    view = dlpack2cai(DLPackShim(CaiArray(host_accessible, stream=S1)), stream=S2)
+    cudart.clear_log()
+    view.__dlpack__(max_version=(1, 0), **kwargs)
+    view.__dlpack__(max_version=(1, 0), **kwargs)
+    assert host_syncs(cudart) == [f"cudaStreamSynchronize({S2})"]
