@@ -306,32 +306,20 @@ STILL_LOADED = textwrap.dedent("""
 """)
 
 
-def test_a_runtime_lacking_its_capture_query_is_refused_and_unloaded(tmp_path):
-    """A CUDA 13 runtime without cudaStreamGetCaptureInfo (which every stream ordering asks) is refused at load,
+@pytest.mark.parametrize("symbol", ["cudaStreamGetCaptureInfo", "cudaGetErrorName"])
+def test_a_runtime_lacking_a_symbol_it_needs_is_refused_and_unloaded(tmp_path, symbol):
+    """A library without a symbol every runtime has (cudaGetErrorName) is no CUDA runtime; a CUDA 13 runtime
+    without cudaStreamGetCaptureInfo (which every stream ordering asks) cannot be used. Either is refused at load,
     naming what it lacks, and closed again: the process keeps no library it will not use."""
     from support.cuda_double import SOURCE
 
-    path = tmp_path / "libcudart_without_capture_query.so"
-    subprocess.run([compiler(), "-shared", "-fPIC", "-O1", "-pthread", "-DcudaStreamGetCaptureInfo=capture_query_renamed",
-                    SOURCE, "-o", str(path)], check=True)
+    path = tmp_path / f"libcudart_without_{symbol}.so"
+    subprocess.run([compiler(), "-shared", "-fPIC", "-O1", "-pthread", f"-D{symbol}={symbol}_renamed", SOURCE, "-o",
+                    str(path)], check=True)
     out = run_probe(probe=STILL_LOADED + PROBE + f"print('STILL LOADED', still_loaded({str(path)!r}))\n",
                     CAI_DLPACK_CUDART=str(path))
     assert out == (f"ERROR RuntimeError CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded: {path} (lacks "
-                   "cudaStreamGetCaptureInfo)\nSTILL LOADED False"), out
-
-
-def test_a_library_lacking_a_runtime_symbol_is_refused_and_unloaded(tmp_path):
-    """A library that lacks one of the symbols every runtime has (cudaGetErrorName) is no CUDA runtime: refused
-    at load, naming the symbol, and closed again."""
-    from support.cuda_double import SOURCE
-
-    path = tmp_path / "libcudart_without_error_name.so"
-    subprocess.run([compiler(), "-shared", "-fPIC", "-O1", "-pthread", "-DcudaGetErrorName=error_name_renamed",
-                    SOURCE, "-o", str(path)], check=True)
-    out = run_probe(probe=STILL_LOADED + PROBE + f"print('STILL LOADED', still_loaded({str(path)!r}))\n",
-                    CAI_DLPACK_CUDART=str(path))
-    assert out == (f"ERROR RuntimeError CAI_DLPACK_CUDART names a CUDA runtime that could not be loaded: {path} (lacks "
-                   "cudaGetErrorName)\nSTILL LOADED False"), out
+                   f"{symbol})\nSTILL LOADED False"), out
 
 
 def test_a_runtime_found_after_another_load_won_is_closed_again(tmp_path):
