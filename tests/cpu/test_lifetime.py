@@ -623,8 +623,8 @@ def test_no_growth_over_many_conversions(cudart, label):
     assert all(abs(a - b) < 50 for a, b in zip(refs_before, refs_after)), (label, refs_before, refs_after)
 
 
-def allocations_of_holding(array, count):
-    """How many blocks Python's allocators hand out while count exports of array are made and held."""
+def traced_by_holding(array, count=1):
+    """(blocks, bytes) Python's allocators hand out while count exports of array are made and held."""
     held = [None] * count
     tracemalloc.start()
     try:
@@ -633,7 +633,8 @@ def allocations_of_holding(array, count):
         snapshot = tracemalloc.take_snapshot()
     finally:
         tracemalloc.stop()
-    return sum(stat.count for stat in snapshot.statistics("filename") if stat.traceback[0].filename == __file__)
+    mine = [stat for stat in snapshot.statistics("filename") if stat.traceback[0].filename == __file__]
+    return sum(stat.count for stat in mine), sum(stat.size for stat in mine)
 
 
 @pytest.mark.skipif(FREE_THREADED,
@@ -644,27 +645,15 @@ def test_the_blocks_of_eight_dropped_exports_serve_the_next_eight():
     x = np.zeros((2, 3), dtype=np.float32)
     held = [cai2dlpack(x) for _ in range(8)]
     del held
-    assert allocations_of_holding(x, 8) == 8
-    assert allocations_of_holding(x, 9) == 9 + 1
-    assert allocations_of_holding(np.zeros((1,) * 5, dtype=np.float32), 8) == 8 + 8  # five dimensions: none kept
-
-
-def traced_bytes_of_holding(array):
-    """Bytes Python's allocators hand out for one export of array, held."""
-    tracemalloc.start()
-    try:
-        held = cai2dlpack(array)
-        snapshot = tracemalloc.take_snapshot()
-    finally:
-        tracemalloc.stop()
-    del held
-    return sum(stat.size for stat in snapshot.statistics("filename") if stat.traceback[0].filename == __file__)
+    assert traced_by_holding(x, 8)[0] == 8
+    assert traced_by_holding(x, 9)[0] == 9 + 1
+    assert traced_by_holding(np.zeros((1,) * 5, dtype=np.float32), 8)[0] == 8 + 8  # five dimensions: none kept
 
 
 def test_an_exports_block_grows_by_its_shape_and_stride_per_dimension():
     """Past the four dimensions a kept block has room for, a block is made for its tensor: one more dimension costs
     its shape and its stride, 16 bytes, and nothing more."""
-    sizes = [traced_bytes_of_holding(np.zeros((1,) * ndim, dtype=np.float32)) for ndim in (5, 6, 7, 12)]
+    sizes = [traced_by_holding(np.zeros((1,) * ndim, dtype=np.float32))[1] for ndim in (5, 6, 7, 12)]
     assert [b - a for a, b in zip(sizes, sizes[1:])] == [16, 16, 5 * 16]
 
 

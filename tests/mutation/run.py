@@ -613,6 +613,12 @@ def is_test_id(text):
 COMPILED = {}
 
 
+def unconfirmed_detail(unconfirmed):
+    """Why a mutant whose only failing tests failed among others, never alone, is inconclusive."""
+    return (f"{', '.join(unconfirmed)} failed with the others but passed alone on the mutant too (flaky, or hanging "
+            "on an earlier test)")
+
+
 def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
     result = site.describe()
     started = time.monotonic()
@@ -662,9 +668,7 @@ def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
             outcome, detail = run_pytest(tests, installed, timeout, baseline.failing + unconfirmed)
             if outcome == "pass" and unconfirmed and number == len(stages):
                 # (at an earlier stage a pass goes on to the next, with those tests still left out)
-                outcome, detail = "inconclusive", (f"{', '.join(unconfirmed)} failed with the others but passed "
-                                                   "alone on the mutant too (flaky, or hanging on an earlier test), "
-                                                   "and no other test fails")
+                outcome, detail = "inconclusive", unconfirmed_detail(unconfirmed) + ", and no other test fails"
             if outcome in ("pass", "guard", "inconclusive"):
                 break
             # A kill counts when the failing test passes on the unmutated module, and fails again on the mutant
@@ -678,9 +682,7 @@ def run_mutant(site, baseline_hash, args, baseline, named_equivalent):
                         unconfirmed.append(detail)
                         if len(unconfirmed) < 3:
                             continue
-                        outcome, detail = "inconclusive", (f"{', '.join(unconfirmed)} failed with the others but pass "
-                                                           "alone on the mutant too (flaky, or hanging on an earlier "
-                                                           "test)")
+                        outcome, detail = "inconclusive", unconfirmed_detail(unconfirmed)
                     break
                 continue
             # Nothing names a test (a crash, a hang, a plugin's or the collection's error): a kill counts when the
