@@ -951,7 +951,8 @@ cdl_interface_attribute(PyObject *obj, PyObject *name, int generic, PyObject *de
  * missing where the type has one: a CUDA producer's property answers first, and the type is looked up after any
  * Python code its descriptor ran, as getattr would. */
 static int cdl_array_from_attributes(PyObject *obj, const DLDataType *requested, cdl_array *out,
-                                     PyObject **keepalive, int generic, PyObject *cai, PyObject **array_of_type)
+                                     PyObject **keepalive, int generic, PyObject *cai, PyObject **array_of_type,
+                                     int cai_absent)
 {
     PyObject *iface;
     cdl_source source = CDL_SOURCE_CAI;
@@ -959,10 +960,10 @@ static int cdl_array_from_attributes(PyObject *obj, const DLDataType *requested,
     if (generic && cai == NULL)
         *array_of_type = cdl_type_lookup(Py_TYPE(obj), cdl_name.array_interface);
     PyObject *array = *array_of_type;
-    if (generic && Py_TYPE(obj)->tp_dictoffset != 0 && cai == NULL && array == NULL)
+    if (!cai_absent && generic && Py_TYPE(obj)->tp_dictoffset != 0 && cai == NULL && array == NULL)
         found = cdl_instance_interface(obj, &iface, &source);
     if (found == -2) {
-        found = cdl_interface_attribute(obj, cdl_name.cuda_array_interface, generic, cai, &iface);
+        found = cai_absent ? 0 : cdl_interface_attribute(obj, cdl_name.cuda_array_interface, generic, cai, &iface);
         if (found == 0 && generic && cai != NULL)
             array = *array_of_type = cdl_type_lookup(Py_TYPE(obj), cdl_name.array_interface);
         if (found == 0) {
@@ -989,7 +990,8 @@ static int cdl_array_from_attributes(PyObject *obj, const DLDataType *requested,
     return status;
 }
 
-int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive)
+static int cdl_array_from_any_object(PyObject *obj, const DLDataType *requested, cdl_array *out,
+                                     PyObject **keepalive, int cai_absent)
 {
     if (PyDict_Check(obj))
         return cdl_array_from_interface(obj, CDL_SOURCE_CAI, NULL, requested, out, keepalive);
@@ -1001,12 +1003,22 @@ int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array 
         return 0;
     }
     const int generic = type->tp_getattro == PyObject_GenericGetAttr;
-    PyObject *cai = generic ? cdl_type_lookup(type, cdl_name.cuda_array_interface) : NULL;
+    PyObject *cai = generic && !cai_absent ? cdl_type_lookup(type, cdl_name.cuda_array_interface) : NULL;
     PyObject *array = NULL;
-    int status = cdl_array_from_attributes(obj, requested, out, keepalive, generic, cai, &array);
+    int status = cdl_array_from_attributes(obj, requested, out, keepalive, generic, cai, &array, cai_absent);
     Py_XDECREF(cai);
     Py_XDECREF(array);
     return status;
+}
+
+int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive)
+{
+    return cdl_array_from_any_object(obj, requested, out, keepalive, 0);
+}
+
+int cdl_array_from_host_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive)
+{
+    return cdl_array_from_any_object(obj, requested, out, keepalive, 1);
 }
 
 /* ---- export -------------------------------------------------------------------------------------- */
@@ -1023,9 +1035,12 @@ static int cdl_parse_max_version(PyObject *max_version, int *versioned)
                      max_version);
         return -1;
     }
-    long major = PyLong_AsLong(PyTuple_GET_ITEM(max_version, 0));
-    if (major == -1 && PyErr_Occurred())
-        return -1;
+    int64_t major;
+    if (!cdl_compact_int(PyTuple_GET_ITEM(max_version, 0), &major)) { /* not one digit: the general read */
+        major = PyLong_AsLong(PyTuple_GET_ITEM(max_version, 0));
+        if (major == -1 && PyErr_Occurred())
+            return -1;
+    }
     *versioned = major >= 1;
     return 0;
 }
@@ -1082,11 +1097,11 @@ static __attribute__((noinline)) PyObject *cdl_export_as_asked(const cdl_array *
                                                                 PyObject *max_version, PyObject *dl_device,
                                                                 PyObject *copy)
 {
-    int64_t consumer;
+    int64_t consumer = CDL_STREAM_LEGACY; /* no stream given: the array API's None (a consumer of host memory) */
     int versioned;
     DLDevice target;
-    if (cdl_parse_stream(stream, "stream", 1, &consumer) < 0 || cdl_parse_max_version(max_version, &versioned) < 0 ||
-        cdl_parse_dl_device(dl_device, arr->device, &target) < 0)
+    if ((stream != NULL && cdl_parse_stream(stream, "stream", 1, &consumer) < 0) ||
+        cdl_parse_max_version(max_version, &versioned) < 0 || cdl_parse_dl_device(dl_device, arr->device, &target) < 0)
         return NULL;
     /* copy: None, or a truth value. A bool, or a number that has one (a NumPy bool_ or 0-d array, as NumPy's own
      * __dlpack__ takes; an array of several values raises its own ValueError); a str or any other object is a

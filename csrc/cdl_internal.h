@@ -506,6 +506,9 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
 /* Reads obj's __cuda_array_interface__ (else __array_interface__; a dict is a CAI dict) into *out,
  * device included, its type the caller's requested one when not NULL. Same contract as above. */
 int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive);
+/* The same, for an object whose __cuda_array_interface__ was just found missing by the caller on this thread
+ * (a shim's __dlpack_device__): its array interface (or buffer) is read without asking for the CUDA one again. */
+int cdl_array_from_host_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive);
 /* _core._fused_reads(): how many interface dicts only their conversion held the fused reader has read (for tests
  * that real producers' dicts take the fast path). */
 PyObject *cdl_fused_reads_count(PyObject *module, PyObject *unused);
@@ -567,8 +570,9 @@ typedef struct {
     PyObject *weakreflist;
     int64_t *dims;         /* shape and strides lent by the exchange API's DLTensor call; made on first use */
     DLDataType dtype;      /* the dtype= the shim was made with; bits 0: none */
-    /* The read-once rule: what __dlpack_device__ read of a CAI object, taken (atomically) by the next
-     * __dlpack__ on the same thread; any other conversion of the shim drops it and reads afresh. */
+    /* The read-once rule: what __dlpack_device__ read of a CAI object, or its finding that the object has none
+     * but an array interface (a mark, shim.c), taken (atomically) by the next __dlpack__ on the same thread; any
+     * other conversion of the shim drops it and reads afresh. */
     cdl_shim_reading *pending;
 } cdl_shim;
 extern PyTypeObject cdl_shim_type;

@@ -9,9 +9,22 @@ struct cdl_shim_reading {
     unsigned long long thread; /* the serial of the thread that read it (an ident is reused after exit) */
 };
 
+/* The shim's pending slot holds a reading, or a mark: a thread's serial, shifted, with the low bit set (no reading
+ * is at an odd address), left by a __dlpack_device__ that found no CUDA interface but an array interface, so
+ * that the __dlpack__ after it does not ask for the CUDA interface again (a failed attribute lookup, a sixth
+ * of such a conversion's own cost). NULL where a serial does not fit (a 32-bit build's four billionth thread). */
+static cdl_shim_reading *cdl_host_mark(unsigned long long serial)
+{
+    if (serial > UINTPTR_MAX >> 1)
+        return NULL;
+    return (cdl_shim_reading *)(((uintptr_t)serial << 1) | 1);
+}
+
+static int cdl_is_host_mark(const cdl_shim_reading *reading) { return ((uintptr_t)reading & 1) != 0; }
+
 static void cdl_reading_free(cdl_shim_reading *reading)
 {
-    if (reading != NULL) {
+    if (reading != NULL && !cdl_is_host_mark(reading)) {
         Py_XDECREF(reading->keepalive);
         PyMem_Free(reading);
     }
@@ -35,6 +48,43 @@ PyObject *cdl_shim_wrapped(cdl_shim *shim)
     return shim->obj;
 }
 
+/* A few freed shims (of DLPackShim itself, not a subclass) are kept for the next DLPackShim(obj), which every
+ * shim conversion makes and drops: a kept one is handed out again as new (untracked, its fields cleared, its
+ * reference made afresh by PyObject_Init) at a third of what its allocation and free cost. Only where the GIL
+ * guards the list, and the module is single-phase: every interpreter that has it shares one allocator and one
+ * GIL. */
+#ifndef Py_GIL_DISABLED
+#define CDL_KEPT_SHIMS 4
+static cdl_shim *cdl_kept_shims[CDL_KEPT_SHIMS];
+static int cdl_kept_shim_count;
+#endif
+
+static cdl_shim *cdl_shim_alloc(PyTypeObject *type)
+{
+#ifndef Py_GIL_DISABLED
+    if (type == &cdl_shim_type && cdl_kept_shim_count > 0) {
+        cdl_shim *self = cdl_kept_shims[--cdl_kept_shim_count];
+        memset((char *)self + sizeof(PyObject), 0, sizeof(cdl_shim) - sizeof(PyObject));
+        (void)PyObject_Init((PyObject *)self, type);
+        PyObject_GC_Track(self);
+        return self;
+    }
+#endif
+    return (cdl_shim *)type->tp_alloc(type, 0);
+}
+
+/* The end of a dead shim's memory: kept (above), or freed. */
+static void cdl_shim_free(cdl_shim *self)
+{
+#ifndef Py_GIL_DISABLED
+    if (Py_IS_TYPE(self, &cdl_shim_type) && cdl_kept_shim_count < CDL_KEPT_SHIMS) {
+        cdl_kept_shims[cdl_kept_shim_count++] = self;
+        return;
+    }
+#endif
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
 static PyObject *cdl_shim_make(PyTypeObject *type, PyObject *obj, PyObject *dtype)
 {
     if (PyDict_Check(obj)) {
@@ -46,7 +96,7 @@ static PyObject *cdl_shim_make(PyTypeObject *type, PyObject *obj, PyObject *dtyp
     DLDataType requested = {0, 0, 0};
     if (dtype != NULL && dtype != Py_None && cdl_dtype_from_request(dtype, &requested) < 0)
         return NULL;
-    cdl_shim *self = (cdl_shim *)type->tp_alloc(type, 0);
+    cdl_shim *self = cdl_shim_alloc(type);
     if (self != NULL) {
         self->obj = Py_NewRef(obj);
         self->dtype = requested;
@@ -111,8 +161,9 @@ static void cdl_shim_dealloc(cdl_shim *self)
         PyObject_ClearWeakRefs((PyObject *)self);
     cdl_shim_clear(self);
     cdl_shim_drop_reading(self);
-    PyMem_RawFree(self->dims);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    if (self->dims != NULL)
+        PyMem_RawFree(self->dims);
+    cdl_shim_free(self);
 }
 
 static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
@@ -122,7 +173,12 @@ static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize
     if (obj == NULL)
         return NULL;
     cdl_shim_reading *reading = cdl_shim_take_reading(self);
-    if (reading != NULL && reading->thread != cdl_thread_serial()) {
+    int cai_absent = 0;
+    if (cdl_is_host_mark(reading)) {
+        cai_absent = reading == cdl_host_mark(cdl_thread_serial());
+        reading = NULL;
+    }
+    else if (reading != NULL && reading->thread != cdl_thread_serial()) {
         cdl_reading_free(reading); /* another thread's half conversion: read afresh */
         reading = NULL;
     }
@@ -137,7 +193,8 @@ static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize
         keepalive = reading->keepalive;
         reading->keepalive = NULL;
     }
-    else if (cdl_array_from_object(obj, cdl_shim_dtype(self), &fresh, &keepalive) < 0) {
+    else if ((cai_absent ? cdl_array_from_host_object : cdl_array_from_object)(obj, cdl_shim_dtype(self), &fresh,
+                                                                                 &keepalive) < 0) {
         return NULL;
     }
     PyObject *capsule = cdl_export(arr, obj, keepalive, values[0], values[1], values[2], values[3]);
@@ -152,6 +209,8 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
     PyObject *obj = cdl_shim_wrapped(self); /* borrowed: the shim holds it */
     if (obj == NULL)
         return NULL;
+    /* A conversion starts: what an earlier __dlpack_device__ left is not what this one says. */
+    cdl_shim_drop_reading(self);
     PyObject *iface;
     int found = cdl_lookup_attribute(obj, cdl_name.cuda_array_interface, &iface);
     if (found < 0)
@@ -160,13 +219,18 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
         /* Array-interface memory is host memory: nothing needs reading to say so (NumPy would build its
          * dict on each access). The type's attribute is asked first (presence only: the borrowed result is
          * never read), an instance's only when it has none. */
-        if (_PyType_Lookup(Py_TYPE(obj), cdl_name.array_interface) != NULL)
+        int host = _PyType_Lookup(Py_TYPE(obj), cdl_name.array_interface) != NULL;
+        if (!host) {
+            if ((host = cdl_lookup_attribute(obj, cdl_name.array_interface, &iface)) < 0)
+                return NULL;
+            Py_XDECREF(iface);
+        }
+        if (host) {
+            /* The __dlpack__ after this one on this thread reads the array interface without asking for the
+             * CUDA one again: the device said is the memory exported. */
+            cdl_reading_free(__atomic_exchange_n(&self->pending, cdl_host_mark(cdl_thread_serial()), __ATOMIC_ACQ_REL));
             return Py_NewRef(cdl_host_device);
-        if ((found = cdl_lookup_attribute(obj, cdl_name.array_interface, &iface)) < 0)
-            return NULL;
-        Py_XDECREF(iface);
-        if (found)
-            return Py_NewRef(cdl_host_device);
+        }
         /* Neither (or one just made): the reader decides, and says why in its own words. */
         cdl_array arr;
         PyObject *keepalive;

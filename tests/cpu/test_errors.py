@@ -252,6 +252,28 @@ def test_dlpack_argument_errors(kwargs, error, message):
         view.__dlpack__(**kwargs)
 
 
+def capsule_name(capsule):
+    import ctypes
+
+    ctypes.pythonapi.PyCapsule_GetName.restype = ctypes.c_char_p
+    ctypes.pythonapi.PyCapsule_GetName.argtypes = [ctypes.py_object]
+    return ctypes.pythonapi.PyCapsule_GetName(capsule).decode()
+
+
+@pytest.mark.parametrize("major,versioned", [(1, True), (0, False), (2, True), (True, True), (False, False),
+                                             (2**40, True), (-(2**40), False), (-1, False)])
+def test_max_version_names_the_capsule_whichever_way_it_comes(major, versioned):
+    """max_version alone (torch.from_dlpack's call for host memory), by the interned keyword or a str of its
+    own, with other keywords, its major an int of one digit, of several, or a bool: its major alone decides
+    between the versioned capsule and the legacy one."""
+    expected = "dltensor_versioned" if versioned else "dltensor"
+    shim = DLPackShim(np.arange(3))
+    keyword = "".join(["max_", "version"])  # equal text, another str object
+    for kwargs in ({"max_version": (major, 0)}, {keyword: (major, 0)}, {"max_version": (major, 0), "stream": None},
+                   {"copy": False, "max_version": (major, 0)}):
+        assert capsule_name(shim.__dlpack__(**kwargs)) == expected, kwargs
+
+
 def test_copy_takes_a_truth_value_as_numpy_does():
     """NumPy's __dlpack__ reads copy by its truth value: a NumPy bool_ or 0-d array works, an array of several
     values raises its own ValueError; a str is never read as True."""

@@ -231,3 +231,86 @@ def test_a_shims_repr_names_the_wrapped_object_and_reads_nothing(cudart, device_
     assert repr(shim) == f"cai_dlpack.DLPackShim({wrapped!r})"
     assert repr(DLPackShim(np.arange(2.0))) == "cai_dlpack.DLPackShim(array([0., 1.]))"
     assert wrapped.reads == 0
+
+
+class Switching:
+    """Host memory through its type's __array_interface__ property, and a __cuda_array_interface__ (memory the
+    double reports as device memory) that __getattr__ serves while `device` is set; counts the lookups of the
+    CUDA one."""
+
+    def __init__(self, host, device=None):
+        self.host, self.device, self.cai_lookups = host, device, 0
+
+    @property
+    def __array_interface__(self):
+        return dict(self.host.__array_interface__)
+
+    def __getattr__(self, name):
+        if name == "__cuda_array_interface__":
+            self.cai_lookups += 1
+            if self.device is not None:
+                return {"shape": self.device.shape, "typestr": self.device.dtype.str, "strides": None,
+                        "data": (self.device.ctypes.data, False), "version": 3, "stream": None}
+        raise AttributeError(name)
+
+
+def exported_pointer(capsule):
+    """(the interface the view of capsule speaks, its data pointer)."""
+    view = dlpack2cai(capsule)
+    for name in ("__cuda_array_interface__", "__array_interface__"):
+        if hasattr(view, name):
+            return name, getattr(view, name)["data"][0]
+    raise AssertionError(f"a view with neither interface: {view!r}")
+
+
+def test_a_host_conversion_asks_for_the_cuda_interface_once():
+    """__dlpack_device__ found no CUDA interface: the __dlpack__ after it on the thread reads the array interface
+    without asking again (a failed lookup, the most a host object's conversion costs beyond its dict)."""
+    host = np.arange(6.0)
+    producer = Switching(host)
+    shim = DLPackShim(producer)
+    for conversion in (1, 2):
+        assert shim.__dlpack_device__() == (1, 0)
+        np.testing.assert_array_equal(np.asarray(dlpack2cai(shim.__dlpack__(max_version=(1, 0)))), host)
+        assert producer.cai_lookups == conversion
+    shim.__dlpack__(max_version=(1, 0))  # alone: asks
+    assert producer.cai_lookups == 3
+
+
+def test_a_cuda_interface_that_appears_after_the_device_call_waits_for_the_next_conversion(cudart, device_arrays):
+    """The device the consumer was told is the memory it gets: host memory, though the object now speaks CAI;
+    the next conversion sees the CUDA interface."""
+    host = np.arange(6.0)
+    producer = Switching(host)
+    shim = DLPackShim(producer)
+    assert shim.__dlpack_device__() == (1, 0)
+    producer.device = device_arrays[0]
+    assert exported_pointer(shim.__dlpack__(max_version=(1, 0))) == ("__array_interface__", host.ctypes.data)
+    assert shim.__dlpack_device__() == (2, 0)
+    assert exported_pointer(shim.__dlpack__(max_version=(1, 0))) == ("__cuda_array_interface__",
+                                                                     device_arrays[0].ctypes.data)
+
+
+def test_another_threads_host_mark_is_not_used():
+    host = np.arange(6.0)
+    producer = Switching(host)
+    shim = DLPackShim(producer)
+    assert shim.__dlpack_device__() == (1, 0)
+    pointers = []
+    worker = threading.Thread(target=lambda: pointers.append(exported_pointer(shim.__dlpack__(max_version=(1, 0)))))
+    worker.start()
+    worker.join()
+    assert pointers == [("__array_interface__", host.ctypes.data)]
+    assert producer.cai_lookups == 2  # the worker asked for the CUDA interface itself
+
+
+def test_a_device_call_that_says_host_drops_a_cuda_reading_kept_before(cudart, device_arrays):
+    """A CAI reading kept by one __dlpack_device__ is not exported after a later one said host memory: the object
+    lost its CUDA interface in between, and the capsule is the host memory the consumer was told of."""
+    host = np.arange(6.0)
+    producer = Switching(host, device=device_arrays[0])
+    shim = DLPackShim(producer)
+    assert shim.__dlpack_device__() == (2, 0)
+    producer.device = None
+    assert shim.__dlpack_device__() == (1, 0)
+    assert exported_pointer(shim.__dlpack__(max_version=(1, 0))) == ("__array_interface__", host.ctypes.data)
