@@ -949,7 +949,8 @@ cdl_interface_attribute(PyObject *obj, PyObject *name, int generic, PyObject *de
  * access is the generic one (a strong reference, or NULL), else NULL. *array_of_type: the same of
  * __array_interface__ (a strong reference the caller releases), looked up only once the CUDA interface is found
  * missing where the type has one: a CUDA producer's property answers first, and the type is looked up after any
- * Python code its descriptor ran, as getattr would. */
+ * Python code its descriptor ran, as getattr would. cai_absent: the caller found the CUDA interface missing just
+ * before, and it is not asked for; then -2 (no exception) where the array interface is missing too. */
 static int cdl_array_from_attributes(PyObject *obj, const DLDataType *requested, cdl_array *out,
                                      PyObject **keepalive, int generic, PyObject *cai, PyObject **array_of_type,
                                      int cai_absent)
@@ -980,6 +981,8 @@ static int cdl_array_from_attributes(PyObject *obj, const DLDataType *requested,
     if (found < 0)
         return -1;
     if (found == 0) {
+        if (cai_absent)
+            return -2; /* the array interface went since the CUDA one was found missing: the caller asks again */
         PyErr_Format(PyExc_TypeError,
                      "object of type %.200s has neither __cuda_array_interface__ nor __array_interface__",
                      Py_TYPE(obj)->tp_name);
@@ -1018,7 +1021,8 @@ int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array 
 
 int cdl_array_from_host_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive)
 {
-    return cdl_array_from_any_object(obj, requested, out, keepalive, 1);
+    int status = cdl_array_from_any_object(obj, requested, out, keepalive, 1);
+    return status == -2 ? cdl_array_from_any_object(obj, requested, out, keepalive, 0) : status;
 }
 
 /* ---- export -------------------------------------------------------------------------------------- */

@@ -314,3 +314,28 @@ def test_a_device_call_that_says_host_drops_a_cuda_reading_kept_before(cudart, d
     producer.device = None
     assert shim.__dlpack_device__() == (1, 0)
     assert exported_pointer(shim.__dlpack__(max_version=(1, 0))) == ("__array_interface__", host.ctypes.data)
+
+
+def test_an_object_that_moved_to_the_device_after_the_device_call_is_read_as_it_is(cudart, device_arrays):
+    """The host mark only spares __dlpack__ the CUDA lookup: an object that lost its array interface and gained a
+    CUDA one since is read whole (its CUDA memory), not refused as having neither."""
+
+    class Moving:
+        pass
+
+    host = np.arange(4.0)
+    obj = Moving()
+    obj.__array_interface__ = host.__array_interface__
+    shim = DLPackShim(obj)
+    assert shim.__dlpack_device__() == (1, 0)
+    del obj.__array_interface__
+    device = device_arrays[0]
+    obj.__cuda_array_interface__ = {"shape": device.shape, "typestr": device.dtype.str, "strides": None,
+                                    "data": (device.ctypes.data, False), "version": 3, "stream": None}
+    assert exported_pointer(shim.__dlpack__(max_version=(1, 0))) == ("__cuda_array_interface__", device.ctypes.data)
+    del obj.__cuda_array_interface__  # and one that has neither now is refused as such
+    obj.__array_interface__ = host.__array_interface__
+    assert shim.__dlpack_device__() == (1, 0)
+    del obj.__array_interface__
+    with pytest.raises(TypeError, match="neither __cuda_array_interface__ nor __array_interface__"):
+        shim.__dlpack__(max_version=(1, 0))
