@@ -295,6 +295,8 @@ def test_dlpack_accepts_matching_device_and_copy_false():
     assert shim.__dlpack__(dl_device=(1, 0), copy=False, max_version=(1, 0)) is not None
     with pytest.raises(TypeError, match="positional"):
         shim.__dlpack__(None)
+    with pytest.raises(TypeError, match="takes 0 positional arguments but 1 were given"):
+        shim.__dlpack__(None, max_version=(1, 0))  # torch's keyword, with a positional argument besides
 
 
 def test_positional_and_keyword_errors_of_functions():

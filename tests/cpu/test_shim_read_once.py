@@ -339,3 +339,24 @@ def test_an_object_that_moved_to_the_device_after_the_device_call_is_read_as_it_
     del obj.__array_interface__
     with pytest.raises(TypeError, match="neither __cuda_array_interface__ nor __array_interface__"):
         shim.__dlpack__(max_version=(1, 0))
+
+
+def test_a_host_mark_is_its_threads_alone_whatever_the_threads_order():
+    """Threads one after another (their marks' numbers consecutive, both parities in turn: a spacer thread shifts
+    them): a mark left by one thread's __dlpack_device__ never spares the next thread's __dlpack__ its lookup."""
+    host = np.arange(6.0)
+    producer = Switching(host)
+    shim = DLPackShim(producer)
+
+    def in_a_thread(call):
+        worker = threading.Thread(target=call)
+        worker.start()
+        worker.join()
+
+    for _ in range(4):
+        for _ in range(3):
+            before = producer.cai_lookups
+            in_a_thread(shim.__dlpack_device__)
+            in_a_thread(lambda: shim.__dlpack__(max_version=(1, 0)))
+            assert producer.cai_lookups == before + 2
+        in_a_thread(DLPackShim(host).__dlpack_device__)  # a spacer: one more thread numbered
