@@ -140,3 +140,28 @@ def test_a_shim_handed_out_again_lends_shape_and_strides_of_its_own():
         for _ in range(2):
             assert example.status_of("dltensor_from_py_object_no_sync", shim, 0)[:2] == (0, None)
         del shim
+
+
+@pytest.mark.skipif(FREE_THREADED, reason="a free-threaded build keeps no shims: each is allocated and freed")
+def test_every_kept_shim_is_handed_out():
+    """Four shims dropped are four kept: the next four DLPackShim(obj), held, allocate nothing (the last kept one
+    included); a fifth is allocated."""
+    x = np.arange(3.0)
+    held = [DLPackShim(x) for _ in range(4)]
+    del held  # four kept
+    slots = [None] * 5
+
+    def fill(count):
+        for i in range(count):
+            slots[i] = DLPackShim(x)
+
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        fill(4)
+        four, _ = tracemalloc.get_traced_memory()
+        fill(5)  # the four made again in place (each kept as the one before it goes), and a fifth
+        five, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert four == before and five > four

@@ -87,7 +87,7 @@ RELATED_TESTS = {
     "names.c": ["test_errors.py", "test_cai_path.py", "test_out_of_memory.py"],
     "ordered_release.c": ["test_ordered_release.py", "test_lifetime.py", "test_graph_capture.py", "test_locks.py",
                           "test_every_call_fails.py"],
-    "shim.c": ["test_shim_read_once.py", "test_handed_out_objects.py", "test_cai_path.py", "test_errors.py",
+    "shim.c": ["test_shim_read_once.py", "test_shim_kept.py", "test_handed_out_objects.py", "test_cai_path.py", "test_errors.py",
                "test_low_precision.py", "test_lifetime.py"],
     "stream_sync.c": ["test_streams.py", "test_graph_capture.py", "test_lifetime.py", "test_locks.py", "test_c_api.py",
                       "test_device_context.py", "test_every_call_fails.py"],
