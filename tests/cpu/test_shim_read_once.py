@@ -360,3 +360,15 @@ def test_a_host_mark_is_its_threads_alone_whatever_the_threads_order():
             in_a_thread(lambda: shim.__dlpack__(max_version=(1, 0)))
             assert producer.cai_lookups == before + 2
         in_a_thread(DLPackShim(host).__dlpack_device__)  # a spacer: one more thread numbered
+
+
+def test_a_device_call_that_fails_drops_the_reading_before_it(cudart, device_arrays):
+    """What an earlier __dlpack_device__ read is not used after a later one failed: __dlpack__ reads afresh."""
+    producer = CountingCai(device_arrays[0])
+    shim = DLPackShim(producer)
+    assert shim.__dlpack_device__() == (2, 0)
+    producer.array = device_arrays[1]
+    cudart.fail("cudaPointerGetAttributes", 1)
+    with pytest.raises(Exception, match="cudaPointerGetAttributes"):
+        shim.__dlpack_device__()
+    assert dlpack2cai(shim.__dlpack__(max_version=(1, 0))).shape == (4, 5)
