@@ -139,20 +139,21 @@ def test_a_buffer_the_reader_cannot_take_is_released_before_the_interface_is_rea
 
 
 def assert_refusals_cost_no_memory(array):
-    """100 refused conversions of array leave fewer than 50 blocks allocated, in the least of four rounds (a first
-    round after warming up can still fill a cache); a block lost a call would be 100 each round."""
+    """200 refused conversions of array leave fewer than 100 blocks allocated, in the least of four rounds (a first
+    round after warming up can still fill a cache; on a free-threaded build the count moves by up to about 90 a
+    round on its own, under load); a block lost a call would be 200 each round."""
     import gc
 
     growth = []
     for _ in range(4):
         gc.collect()
         blocks = sys.getallocatedblocks()
-        for _ in range(100):
+        for _ in range(200):
             with pytest.raises(ValueError, match="has no DLPack equivalent"):
                 cai2dlpack(array)
         gc.collect()
         growth.append(sys.getallocatedblocks() - blocks)
-    assert min(growth) < 50, growth
+    assert min(growth) < 100, growth
 
 
 def test_a_buffer_numpy_refuses_to_export_costs_no_memory():

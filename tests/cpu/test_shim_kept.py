@@ -151,9 +151,9 @@ def test_a_shim_handed_out_again_lends_shape_and_strides_of_its_own():
         after, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    # Each shim's 1 KiB of shape and strides goes with it (100 KiB would stay otherwise); a few KiB are
-    # CPython's own free lists (result tuples), traced as held.
-    assert after - before < 16 * 1024
+    # Each shim's 1 KiB of shape and strides goes with it: 100 KiB would stay otherwise. What does stay is a few KiB
+    # of CPython's own (free lists of result tuples; on a free-threaded build, frees it delays), traced as held.
+    assert after - before < 50 * 1024
 
 
 @pytest.mark.skipif(FREE_THREADED, reason="a free-threaded build keeps no shims: each is allocated and freed")
