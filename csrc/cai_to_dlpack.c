@@ -950,7 +950,7 @@ cdl_interface_attribute(PyObject *obj, PyObject *name, int generic, PyObject *de
  * __array_interface__ (a strong reference the caller releases), looked up only once the CUDA interface is found
  * missing where the type has one: a CUDA producer's property answers first, and the type is looked up after any
  * Python code its descriptor ran, as getattr would. cai_absent: the caller found the CUDA interface missing just
- * before, and it is not asked for; then -2 (no exception) where the array interface is missing too. */
+ * before: it is asked for only if the array interface is missing now. */
 static int cdl_array_from_attributes(PyObject *obj, const DLDataType *requested, cdl_array *out,
                                      PyObject **keepalive, int generic, PyObject *cai, PyObject **array_of_type,
                                      int cai_absent)
@@ -978,11 +978,17 @@ static int cdl_array_from_attributes(PyObject *obj, const DLDataType *requested,
             found = cdl_interface_attribute(obj, cdl_name.array_interface, generic, array, &iface);
         }
     }
+    if (found == 0 && cai_absent) {
+        /* The array interface went since the CUDA one was found missing: the CUDA one is asked for after all (each
+         * attribute once, as any conversion). */
+        PyObject *descriptor = generic ? cdl_type_lookup(Py_TYPE(obj), cdl_name.cuda_array_interface) : NULL;
+        source = CDL_SOURCE_CAI;
+        found = cdl_interface_attribute(obj, cdl_name.cuda_array_interface, generic, descriptor, &iface);
+        Py_XDECREF(descriptor);
+    }
     if (found < 0)
         return -1;
     if (found == 0) {
-        if (cai_absent)
-            return -2; /* the array interface went since the CUDA one was found missing: the caller asks again */
         PyErr_Format(PyExc_TypeError,
                      "object of type %.200s has neither __cuda_array_interface__ nor __array_interface__",
                      Py_TYPE(obj)->tp_name);
@@ -1021,8 +1027,7 @@ int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array 
 
 int cdl_array_from_host_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive)
 {
-    int status = cdl_array_from_any_object(obj, requested, out, keepalive, 1);
-    return status == -2 ? cdl_array_from_any_object(obj, requested, out, keepalive, 0) : status;
+    return cdl_array_from_any_object(obj, requested, out, keepalive, 1);
 }
 
 /* ---- export -------------------------------------------------------------------------------------- */

@@ -1,6 +1,9 @@
 """Every refusal: the exception type, and a message that names the key and the value."""
+import os
 import re
+import subprocess
 import sys
+import sysconfig
 
 import numpy as np
 import pytest
@@ -693,3 +696,36 @@ def test_cuda_error_stays_one_class_when_the_core_is_imported_again():
             print(again.CudaError is first.CudaError, error.call)
     """)
     assert out == ["True", "cudaEventRecord"]
+
+
+@pytest.mark.skipif(bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
+                    reason="a free-threaded CPython runs on mimalloc only: it refuses PYTHONMALLOC=malloc")
+def test_one_keyword_other_than_max_version_is_not_read_as_it(tmp_path):
+    """A lone keyword (dl_device here) is looked for among __dlpack__'s names, never read as max_version, with the C
+    allocator under the tuples (PYTHONMALLOC=malloc, as valgrind runs): there the word just past a one-keyword
+    tuple's item can be a freed two-item tuple's second item, the interned name max_version itself. Each round frees
+    such a tuple just before a **kwargs call makes its one-keyword tuple, with the tuple free lists full (size 2)
+    and empty (size 1), so that malloc hands the freed block over."""
+    script = tmp_path / "lone_keyword.py"
+    script.write_text(
+        "import sys, ctypes, collections, numpy as np\n"
+        "from cai_dlpack import DLPackShim\n"
+        "name = ctypes.pythonapi.PyCapsule_GetName\n"
+        "name.restype, name.argtypes = ctypes.c_char_p, [ctypes.py_object]\n"
+        "shim = DLPackShim(np.arange(3.0))\n"
+        "keyword = sys.intern('max_version')\n"
+        "seen = collections.Counter()\n"
+        "for round in range(200):\n"
+        "    pair = (round, keyword)\n"
+        "    pairs = [(i, i) for i in range(3000)]\n"
+        "    del pairs\n"
+        "    singles = [(i,) for i in range(3000)]\n"
+        "    method, kwargs = shim.__dlpack__, {'dl_device': (1, 0)}\n"
+        "    del pair\n"
+        "    seen[name(method(**kwargs)).decode()] += 1\n"
+        "    del singles, method, kwargs\n"
+        "print(dict(seen))\n")
+    env = dict(os.environ, PYTHONMALLOC="malloc")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "{'dltensor': 200}"

@@ -141,7 +141,7 @@ def test_a_shim_handed_out_again_lends_shape_and_strides_of_its_own():
         for _ in range(2):
             assert example.status_of("dltensor_from_py_object_no_sync", shim, 0)[:2] == (0, None)
 
-    for _ in range(8):
+    for _ in range(1000):  # past the first thousand calls, CPython's caches of freed objects (3.13t's) are full
         lend_twice_and_drop()
     tracemalloc.start()
     try:

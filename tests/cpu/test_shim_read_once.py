@@ -372,3 +372,28 @@ def test_a_device_call_that_fails_drops_the_reading_before_it(cudart, device_arr
     with pytest.raises(Exception, match="cudaPointerGetAttributes"):
         shim.__dlpack_device__()
     assert dlpack2cai(shim.__dlpack__(max_version=(1, 0))).shape == (4, 5)
+
+
+def test_a_missing_array_interface_after_the_device_call_is_asked_once():
+    """A type whose __array_interface__ property says AttributeError is named host memory by __dlpack_device__ (the
+    type has the attribute); its __dlpack__ then asks each interface once, as any conversion, and refuses."""
+    asked = []
+
+    class Refusing:
+        @property
+        def __array_interface__(self):
+            asked.append("__array_interface__")
+            raise AttributeError("__array_interface__")
+
+        def __getattr__(self, name):  # also what getattr falls back on when the property says AttributeError
+            if name != "__array_interface__":
+                asked.append(name)
+            raise AttributeError(name)
+
+    shim = DLPackShim(Refusing())
+    assert shim.__dlpack_device__() == (1, 0)
+    assert asked == ["__cuda_array_interface__"]
+    asked.clear()
+    with pytest.raises(TypeError, match="neither __cuda_array_interface__ nor __array_interface__"):
+        shim.__dlpack__(max_version=(1, 0))
+    assert sorted(asked) == ["__array_interface__", "__cuda_array_interface__"]
