@@ -1163,11 +1163,14 @@ static __attribute__((noinline)) PyObject *cdl_export_as_asked(const cdl_array *
 PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
                      PyObject *max_version, PyObject *dl_device, PyObject *copy)
 {
-    if (stream == NULL && max_version == NULL && dl_device == NULL && copy == NULL) {
-        /* No keyword: the legacy stream, a legacy capsule of the data where it is. */
-        if (arr->read_only)
+    if (stream == NULL && dl_device == NULL && copy == NULL) {
+        /* No keyword but max_version (torch's call for host memory): the legacy stream, the data where it is. */
+        int versioned = 0;
+        if (max_version != NULL && cdl_parse_max_version(max_version, &versioned) < 0)
+            return NULL;
+        if (arr->read_only && !versioned)
             return cdl_refuse_read_only_legacy();
-        return cdl_export_shared(arr, owner, keepalive, 0, CDL_STREAM_LEGACY);
+        return cdl_export_shared(arr, owner, keepalive, versioned, CDL_STREAM_LEGACY);
     }
     return cdl_export_as_asked(arr, owner, keepalive, stream, max_version, dl_device, copy);
 }

@@ -698,6 +698,19 @@ def test_cuda_error_stays_one_class_when_the_core_is_imported_again():
     assert out == ["True", "cudaEventRecord"]
 
 
+def test_read_only_memory_by_max_version_alone():
+    """max_version alone (torch's call for host memory) decides for read-only data as with any other keyword: a
+    major of 1 gives a versioned capsule, a major of 0 (or none) the legacy one, which cannot say read-only."""
+    x = np.arange(3.0)
+    x.flags.writeable = False
+    shim = DLPackShim(x)
+    assert capsule_name(shim.__dlpack__(max_version=(1, 0))) == "dltensor_versioned"
+    assert np.from_dlpack(shim).flags.writeable is False
+    for kwargs in ({"max_version": (0, 8)}, {"max_version": None}, {}, {"max_version": (0, 8), "copy": None}):
+        with pytest.raises(BufferError, match="read-only, which a legacy 'dltensor' capsule cannot say"):
+            shim.__dlpack__(**kwargs)
+
+
 @pytest.mark.skipif(bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
                     reason="a free-threaded CPython runs on mimalloc only: it refuses PYTHONMALLOC=malloc")
 def test_one_keyword_other_than_max_version_is_not_read_as_it(tmp_path):
