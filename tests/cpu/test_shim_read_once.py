@@ -397,3 +397,31 @@ def test_a_missing_array_interface_after_the_device_call_is_asked_once():
     with pytest.raises(TypeError, match="neither __cuda_array_interface__ nor __array_interface__"):
         shim.__dlpack__(max_version=(1, 0))
     assert sorted(asked) == ["__array_interface__", "__cuda_array_interface__"]
+
+
+def test_a_cuda_interface_found_after_all_keeps_no_reference_to_its_property(cudart, device_arrays):
+    """After a host mark, an object that moved to the device through its type (a __cuda_array_interface__ property
+    set on the class, the array interface gone) is read through that property, which is not kept."""
+    device = device_arrays[0]
+
+    class Moving:
+        pass
+
+    def cai(self):
+        return {"shape": device.shape, "typestr": device.dtype.str, "strides": None,
+                "data": (device.ctypes.data, False), "version": 3, "stream": None}
+
+    prop = property(cai)
+    host = np.arange(4.0)
+    before = sys.getrefcount(prop)
+    for _ in range(20):
+        obj = Moving()
+        obj.__array_interface__ = host.__array_interface__
+        shim = DLPackShim(obj)
+        assert shim.__dlpack_device__() == (1, 0)
+        Moving.__cuda_array_interface__ = prop
+        del obj.__array_interface__
+        assert exported_pointer(shim.__dlpack__(max_version=(1, 0))) == ("__cuda_array_interface__",
+                                                                         device.ctypes.data)
+        del Moving.__cuda_array_interface__, shim, obj
+    assert sys.getrefcount(prop) == before

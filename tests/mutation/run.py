@@ -68,7 +68,7 @@ RELATED_TESTS = {
     "cai_to_dlpack.c": ["test_fresh_dict_reader.py", "test_cai_path.py", "test_errors.py", "test_interface_lookup.py",
                         "test_buffer_path.py", "test_streams.py", "test_low_precision.py", "test_copy.py",
                         "test_out_of_memory.py", "test_interface_cache.py", "test_c_api.py",
-                        "test_every_call_fails.py", "test_lifetime.py"],
+                        "test_every_call_fails.py", "test_lifetime.py", "test_shim_read_once.py"],
     "copy.c": ["test_copy.py", "test_ordered_release.py", "test_out_of_memory.py", "test_every_call_fails.py"],
     "cuda_runtime.c": ["test_runtime_loader.py", "test_device_context.py", "test_streams.py",
                        "test_graph_capture.py", "test_locks.py", "test_copy.py", "test_every_call_fails.py"],
