@@ -1113,11 +1113,11 @@ static __attribute__((noinline)) PyObject *cdl_export_as_asked(const cdl_array *
                                                                 PyObject *max_version, PyObject *dl_device,
                                                                 PyObject *copy)
 {
-    int64_t consumer = CDL_STREAM_LEGACY; /* no stream given: the array API's None (a consumer of host memory) */
+    int64_t consumer;
     int versioned;
     DLDevice target;
-    if ((stream != NULL && cdl_parse_stream(stream, "stream", 1, &consumer) < 0) ||
-        cdl_parse_max_version(max_version, &versioned) < 0 || cdl_parse_dl_device(dl_device, arr->device, &target) < 0)
+    if (cdl_parse_stream(stream, "stream", 1, &consumer) < 0 || cdl_parse_max_version(max_version, &versioned) < 0 ||
+        cdl_parse_dl_device(dl_device, arr->device, &target) < 0)
         return NULL;
     /* copy: None, or a truth value. A bool, or a number that has one (a NumPy bool_ or 0-d array, as NumPy's own
      * __dlpack__ takes; an array of several values raises its own ValueError); a str or any other object is a

@@ -38,6 +38,12 @@ static cdl_shim_reading *cdl_shim_take_reading(cdl_shim *shim)
 
 void cdl_shim_drop_reading(cdl_shim *shim) { cdl_reading_free(cdl_shim_take_reading(shim)); }
 
+/* Leaves a reading (or a host mark) for the shim's next __dlpack__, in place of whatever was left before. */
+static void cdl_shim_leave_reading(cdl_shim *shim, cdl_shim_reading *reading)
+{
+    cdl_reading_free(__atomic_exchange_n(&shim->pending, reading, __ATOMIC_ACQ_REL));
+}
+
 static PyObject *cdl_host_device; /* (kDLCPU, 0) */
 
 PyObject *cdl_shim_wrapped(cdl_shim *shim)
@@ -228,7 +234,7 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
         if (host) {
             /* The __dlpack__ after this one on this thread reads the array interface without asking for the
              * CUDA one again: the device said is the memory exported. */
-            cdl_reading_free(__atomic_exchange_n(&self->pending, cdl_host_mark(cdl_thread_serial()), __ATOMIC_ACQ_REL));
+            cdl_shim_leave_reading(self, cdl_host_mark(cdl_thread_serial()));
             return Py_NewRef(cdl_host_device);
         }
         /* Neither (or one just made): the reader decides, and says why in its own words. */
@@ -255,7 +261,7 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
         return NULL;
     }
     reading->thread = cdl_thread_serial();
-    cdl_reading_free(__atomic_exchange_n(&self->pending, reading, __ATOMIC_ACQ_REL));
+    cdl_shim_leave_reading(self, reading);
     return device;
 }
 
