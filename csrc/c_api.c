@@ -159,7 +159,7 @@ static int cdl_api_to_managed_tensor(PyObject *obj, int64_t consumer_stream, DLM
         if (managed.pointer != NULL) {
             /* Its deleter keeps owner alive until the consumer's stream has run what it queued by then. */
             cdl_release_point point;
-            cdl_release_point_set(&point, consumer_stream, &arr);
+            cdl_release_point_for_drop(&point, consumer_stream, &arr);
             cdl_managed_order_release(managed, &point, 0);
         }
         *out = managed.pointer;

@@ -1090,7 +1090,7 @@ cdl_export_shared(const cdl_array *arr, PyObject *owner, PyObject *keepalive, in
     if (cdl_order_streams(arr, consumer) < 0)
         return NULL;
     cdl_release_point point;
-    cdl_release_point_set(&point, consumer, arr);
+    cdl_release_point_for_drop(&point, consumer, arr);
     PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, versioned, &point);
     if (capsule != NULL)
         cdl_release_completed();

@@ -174,7 +174,7 @@ static inline int cdl_extent_fits(uintptr_t address, int64_t low, int64_t high)
 typedef struct {
     PyObject *shape, *typestr, *data, *strides, *version, *mask, *stream, *offset, *descr;
     PyObject *cuda_array_interface, *array_interface, *dlpack, *dlpack_device;
-    PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream, *dtype, *name, *cuda_stream, *obj;
+    PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream, *trust_streams, *dtype, *name, *cuda_stream, *obj;
     PyObject *exchange_api, *exchange_api_address; /* DLPack 1.3's capsule and 1.2's int on a type */
     PyObject *requires_grad, *is_conj, *is_neg;     /* what torch's __dlpack__ checks and its table does not */
 } cdl_names;
@@ -279,6 +279,7 @@ int cdl_exchange_allocate(DLTensor *prototype, DLManagedTensorVersioned **out, v
  * threads convert (a plain read is an atomic load). */
 extern _Atomic int cdl_option_sync;            /* 0: consumers ignore producer streams */
 extern _Atomic int cdl_option_export_stream;   /* 0: producers export "stream": None */
+extern _Atomic int cdl_option_trust_streams;   /* 1: a stream named by handle outlives what was made for it */
 /* Parses a stream value named what: a consumer's argument (None -> 1, -1, 1, 2, a handle, or an object
  * of the CUDA stream protocol, __cuda_stream__() -> (version, handle), a NULL handle -> 1) when
  * consumer is 1, a CAI 'stream' entry (None -> 0, 1, 2 or a handle) when 0. Returns 0 or -1. */
@@ -369,6 +370,9 @@ typedef void (*cdl_release_fn)(void *argument);
 /* The point after a conversion of arr with consumer stream consumer: none for -1, host memory, an array
  * without elements, a runtime without events, or ordered release switched off. Any thread. */
 void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl_array *arr);
+/* The release point of what is made for a consumer and dropped later: as cdl_release_point_set, except that a
+ * stream named by handle counts only under trust_streams (the handle may be dead by the drop). */
+void cdl_release_point_for_drop(cdl_release_point *point, int64_t consumer, const cdl_array *arr);
 /* Calls release(argument) once an event recorded now on point's stream has completed: at a later conversion,
  * release or pending call of the interpreter (scheduled also when the stream reaches the event), never waiting
  * for the device (but past CDL_PENDING_LIMIT, where the oldest pending release with an event waits, and stays

@@ -88,7 +88,7 @@ static PyObject *cdl_view_from_record(cdl_managed managed, const cdl_array *arr,
     view->stream = stream == CDL_STREAM_NO_SYNC ? 0 : stream;
     view->host_ready = 0;
     view->made_for.event = NULL;
-    cdl_release_point_set(&view->release_at, stream, arr);
+    cdl_release_point_for_drop(&view->release_at, stream, arr);
     view->shape = view->strides = view->typestr = view->data = NULL;
     view->weakreflist = NULL;
     if (cdl_view_stream_set(&view->made_for, view->stream, arr) < 0 ||

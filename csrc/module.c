@@ -67,9 +67,11 @@ static PyMethodDef cdl_module_methods[] = {
      "Consumes a DLPack capsule (or calls x.__dlpack__(stream=stream)) into a view that owns the tensor "
      "and exposes __cuda_array_interface__ / __array_interface__."},
     {"options", (PyCFunction)(void (*)(void))cdl_options, METH_FASTCALL | METH_KEYWORDS,
-     "options($module, /, *, sync=None, export_stream=None)\n--\n\n"
+     "options($module, /, *, sync=None, export_stream=None, trust_streams=None)\n--\n\n"
      "The CAI spec's stream opt-outs. sync=False: ignore producer streams (no ordering); "
-     "export_stream=False: views export 'stream': None. Returns the settings now in force."},
+     "export_stream=False: views export 'stream': None. trust_streams=True: the streams consumers name by handle "
+     "outlive the tensors and views made for them, so their release waits for those streams too. Returns the "
+     "settings now in force."},
     {"cuda_runtime_info", cdl_cuda_runtime_info, METH_NOARGS,
      "cuda_runtime_info($module, /)\n--\n\n"
      "A dict: path (as opened), file (the file the loader mapped), source (how it was found: "

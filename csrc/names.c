@@ -32,6 +32,7 @@ int cdl_names_init(void)
         {&cdl_name.obj, "obj"},
         {&cdl_name.sync, "sync"},
         {&cdl_name.export_stream, "export_stream"},
+        {&cdl_name.trust_streams, "trust_streams"},
         {&cdl_name.dtype, "dtype"},
         {&cdl_name.name, "name"},
         {&cdl_name.cuda_stream, "__cuda_stream__"},

@@ -226,6 +226,18 @@ void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl
     point->thread = consumer == CDL_STREAM_PER_THREAD ? cdl_thread_serial() : 0;
 }
 
+void cdl_release_point_for_drop(cdl_release_point *point, int64_t consumer, const cdl_array *arr)
+{
+    /* A handle is the consumer's stream, and the consumer may destroy it once the call returns: CuPy's and Numba's
+     * stream objects destroy theirs when collected, often before the tensor goes. The runtime does not check a
+     * handle: any call on a destroyed one (a record, a query, even its id) reads freed memory and may crash the
+     * process. So what is dropped later is ordered after a handle only where the caller said its streams outlive
+     * what is made for them; the legacy and per-thread streams never go. */
+    if (consumer > CDL_STREAM_PER_THREAD && !cdl_option_trust_streams)
+        consumer = 0;
+    cdl_release_point_set(point, consumer, arr);
+}
+
 /* What cdl_record_release did. */
 enum { CDL_RELEASE_NOW, CDL_RECORDED, CDL_NOT_YET };
 

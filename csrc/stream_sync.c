@@ -11,6 +11,7 @@
 
 _Atomic int cdl_option_sync = 1;
 _Atomic int cdl_option_export_stream = 1;
+_Atomic int cdl_option_trust_streams = 0;
 
 /* Reusable events, one per context (keyed by the context's id, unique for the process's lifetime), or
  * per device where the driver's calls are missing. A stream that waits on an event captures the
@@ -62,6 +63,7 @@ void cdl_stream_options_init(void)
 {
     cdl_option_sync = cdl_env_flag("CAI_DLPACK_SYNC", 1);
     cdl_option_export_stream = cdl_env_flag("CAI_DLPACK_EXPORT_STREAM", 1);
+    cdl_option_trust_streams = cdl_env_flag("CAI_DLPACK_TRUST_STREAMS", 0);
 }
 
 /* A consumer's stream object of the CUDA stream protocol (cuda.core, tvm-ffi, CuPy, ...):
@@ -676,13 +678,14 @@ int cdl_current_work_stream(DLDeviceType device_type, int32_t device_id, void **
 PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     (void)module;
-    PyObject *names[] = {cdl_name.sync, cdl_name.export_stream};
-    PyObject *values[] = {NULL, NULL};
-    _Atomic int *options[] = {&cdl_option_sync, &cdl_option_export_stream};
-    if (cdl_parse_keywords("options", args, nargs, kwnames, 0, names, values, 2) < 0)
+    PyObject *names[] = {cdl_name.sync, cdl_name.export_stream, cdl_name.trust_streams};
+    PyObject *values[] = {NULL, NULL, NULL};
+    _Atomic int *options[] = {&cdl_option_sync, &cdl_option_export_stream, &cdl_option_trust_streams};
+    enum { count = sizeof options / sizeof options[0] };
+    if (cdl_parse_keywords("options", args, nargs, kwnames, 0, names, values, count) < 0)
         return NULL;
-    int chosen[2];
-    for (int i = 0; i < 2; i++) {
+    int chosen[count];
+    for (int i = 0; i < count; i++) {
         chosen[i] = *options[i];
         if (values[i] != NULL && values[i] != Py_None) {
             if (!PyBool_Check(values[i])) {
@@ -694,8 +697,9 @@ PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
         }
     }
     /* Applied only once every argument is known to be valid: nothing half-done. */
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < count; i++)
         *options[i] = chosen[i];
-    return Py_BuildValue("{s:O, s:O}", "sync", cdl_option_sync ? Py_True : Py_False, "export_stream",
-                         cdl_option_export_stream ? Py_True : Py_False);
+    return Py_BuildValue("{s:O, s:O, s:O}", "sync", cdl_option_sync ? Py_True : Py_False, "export_stream",
+                         cdl_option_export_stream ? Py_True : Py_False, "trust_streams",
+                         cdl_option_trust_streams ? Py_True : Py_False);
 }

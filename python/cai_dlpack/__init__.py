@@ -5,7 +5,8 @@
 - ``dlpack2cai(x, *, stream=None)``: a ``DLPackView`` owning the DLPack tensor and exposing
   ``__cuda_array_interface__`` (device memory) / ``__array_interface__`` (host memory).
 - ``DLPackShim(obj)``: gives any CAI object ``__dlpack__`` / ``__dlpack_device__``.
-- ``options(sync=None, export_stream=None)``: the CAI spec's stream opt-outs.
+- ``options(sync=None, export_stream=None, trust_streams=None)``: the CAI spec's stream opt-outs, and whether
+  streams named by handle outlive what is made for them (ordered release after them).
 - ``get_include()``: the folder to put on a C/C++ extension's include path for the C API.
 """
 import os

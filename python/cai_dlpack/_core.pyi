@@ -23,6 +23,7 @@ class _RuntimeInfo(TypedDict):
 class _Options(TypedDict):
     sync: bool
     export_stream: bool
+    trust_streams: bool
 
 DLPACK_VERSION: tuple[int, int]
 CUDART_HEADER_MAJOR: int
@@ -48,7 +49,9 @@ def cai2dlpack(
     copy: bool | None = None,
 ) -> CapsuleType: ...
 def dlpack2cai(x: object, /, *, stream: _Stream = None) -> DLPackView: ...
-def options(*, sync: bool | None = None, export_stream: bool | None = None) -> _Options: ...
+def options(
+    *, sync: bool | None = None, export_stream: bool | None = None, trust_streams: bool | None = None
+) -> _Options: ...
 def cuda_runtime_info() -> _RuntimeInfo: ...
 
 @disjoint_base  # its C layout cannot be combined with another built-in base

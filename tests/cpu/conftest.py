@@ -12,6 +12,19 @@ _DOUBLE = cuda_double.CudaDouble(_DOUBLE_PATH)
 
 
 @pytest.fixture
+def trusted_streams(monkeypatch):
+    """The streams named by handle are trusted to outlive the tensors made for them (the double's streams never
+    go), so releases are ordered after them, here and in the processes a test starts (the variable). Without it
+    a handle is not used at the drop (test_untrusted_streams.py)."""
+    import cai_dlpack
+
+    monkeypatch.setenv("CAI_DLPACK_TRUST_STREAMS", "1")
+    cai_dlpack.options(trust_streams=True)
+    yield
+    cai_dlpack.options(trust_streams=False)
+
+
+@pytest.fixture
 def cudart(request):
     """The CUDA runtime double, reset: 4 devices, device 0 current, no regions, empty log (in late mode with
     --late-double: device work runs only when something waits for it)."""

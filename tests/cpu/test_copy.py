@@ -1326,6 +1326,7 @@ def test_a_device_copy_whose_stream_cannot_be_asked_about_captures_is_made_by_cu
     assert [line for line in cudart.log() if line.startswith("cudaFree")] == ["cudaFree()"]
 
 
+@pytest.mark.usefixtures("trusted_streams")  # the copy is freed in its stream's order
 def test_a_device_copy_whose_free_fails_leaves_no_runtime_error_behind(cudart):
     """A free that fails (at exit the runtime may be unloading) has nobody to report to: its error is cleared, not
     left for the next framework that asks the runtime's last error."""

@@ -19,6 +19,9 @@ from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL, MANAGED, PINNED_HOST
 from support.dlpack_ctypes import MadeTensor, read_capsule
 
+# The releases these scenarios count are ordered after the streams they name by handle (conftest.py).
+pytestmark = pytest.mark.usefixtures("trusted_streams")
+
 # An error code no branch of csrc looks for (not 2, 400, 600, 709, 900-907): every failure takes the plain path.
 # The double has no name for it (cudaErrorUnrecognized; the driver's name lookup fails: "unknown error").
 CODE = 719

@@ -108,6 +108,7 @@ no_sanitizer = pytest.mark.skipif(sanitizer_preloaded(),
 
 @glibc_only
 @no_sanitizer
+@pytest.mark.usefixtures("trusted_streams")
 def test_every_lock_the_module_takes_is_released_by_the_thread_that_took_it(tmp_path):
     result = run_checked(tmp_path, WORKLOAD)
     # Each round's release waited for the consumer's stream, and was made once it ran.
@@ -116,6 +117,7 @@ def test_every_lock_the_module_takes_is_released_by_the_thread_that_took_it(tmp_
 
 @glibc_only
 @no_sanitizer
+@pytest.mark.usefixtures("trusted_streams")
 def test_the_pending_releases_lock_is_held_past_the_bound(tmp_path):
     """Past the bound, the oldest release is taken out of the pending list and, its wait refused, put back, each
     under the pending releases' lock, taken and released by the dropping thread; the releases are all made once

@@ -32,6 +32,10 @@ ORIGINAL = np.arange(N, dtype=np.float32)
 NEXT = np.full(N, -1.0, dtype=np.float32)  # what the producer's next allocation writes
 
 
+# Releases here are ordered after the streams the tests name by handle: see the fixture (conftest.py).
+pytestmark = pytest.mark.usefixtures("trusted_streams")
+
+
 @pytest.fixture
 def late(cudart):
     cudart.add_stream(S1, 0)

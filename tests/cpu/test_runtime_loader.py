@@ -360,6 +360,7 @@ ALLOCATION_CALLS_OF_A_DEVICE_COPY = """
 
 
 @pytest.mark.parametrize("lacks", [None, "cudaFreeAsync"])
+@pytest.mark.usefixtures("trusted_streams")
 def test_device_copies_are_stream_ordered_only_with_a_runtime_that_has_both_async_calls(tmp_path, monkeypatch,
                                                                                         lacks):
     """A runtime with cudaMallocAsync and cudaFreeAsync (CUDA 11.2 on) has a device copy allocated on the

@@ -213,7 +213,7 @@ def test_event_creation_failure(cudart):
 
 def test_opt_outs(cudart, device_array):
     try:
-        assert cai_dlpack.options(sync=False) == {"sync": False, "export_stream": True}
+        assert cai_dlpack.options(sync=False) == {"sync": False, "export_stream": True, "trust_streams": False}
         cai2dlpack(CaiArray(device_array, stream=S1), stream=S2)
         assert ordering_calls(cudart.log()) == []
         cai_dlpack.options(sync=True, export_stream=False)
@@ -221,7 +221,7 @@ def test_opt_outs(cudart, device_array):
         assert view.__cuda_array_interface__["stream"] is None
         with pytest.raises(TypeError, match="sync"):
             cai_dlpack.options(sync=1)
-        assert cai_dlpack.options() == {"sync": True, "export_stream": False}
+        assert cai_dlpack.options() == {"sync": True, "export_stream": False, "trust_streams": False}
     finally:
         cai_dlpack.options(sync=True, export_stream=True)
 
@@ -602,17 +602,20 @@ OFF_WORDS, ON_WORDS = ["0", "false", "False", "no", "off"], ["1", "true", "True"
 
 def test_the_environment_sets_each_option_at_import():
     """CAI_DLPACK_SYNC and CAI_DLPACK_EXPORT_STREAM, read when the module is imported: 0, false, False, no and off
-    switch an option off; any other value, or none, leaves it on. Each value in a fresh interpreter."""
+    switch an option off; any other value, or none, leaves it on. CAI_DLPACK_TRUST_STREAMS, off by default, is
+    switched on by any of those other values but the empty one. Each value in a fresh interpreter."""
     import json
     import subprocess
 
     script = "import json, cai_dlpack; print(json.dumps(cai_dlpack.options()))"
     for word in OFF_WORDS + ON_WORDS:
-        env = dict(os.environ, CAI_DLPACK_SYNC=word, CAI_DLPACK_EXPORT_STREAM="off" if word == "1" else word)
+        env = dict(os.environ, CAI_DLPACK_SYNC=word, CAI_DLPACK_EXPORT_STREAM="off" if word == "1" else word,
+                   CAI_DLPACK_TRUST_STREAMS=word)
         result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         on = word not in OFF_WORDS
-        assert json.loads(result.stdout) == {"sync": on, "export_stream": on and word != "1"}, word
+        assert json.loads(result.stdout) == {"sync": on, "export_stream": on and word != "1",
+                                             "trust_streams": on and word != ""}, word
 
 
 def test_a_views_dlpack_with_no_keyword_is_a_host_consumers_and_waits_once(cudart, host_accessible):

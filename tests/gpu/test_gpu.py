@@ -205,7 +205,7 @@ def test_torch_work_stream_is_ordered_through_the_exchange_api(sync):
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        with cupy.cuda.ExternalStream(side.cuda_stream):
+        with external_stream(side.cuda_stream):
             spin((1,), (1,), (np.int64(200_000_000),))
         x.fill_(1)
         try:

@@ -16,6 +16,7 @@ from cai_dlpack import CudaError, DLPackShim, DLPackView, cai2dlpack, dlpack2cai
 from cai_dlpack._benchmark import SPIN_KERNEL  # noqa: E402
 from support import c_example  # noqa: E402
 from support.cai_objects import Wrapped  # noqa: E402
+from test_gpu import external_stream  # noqa: E402
 
 N = 1 << 20
 SPIN_NS = 200_000_000  # the producer's work: long enough that a consumer not ordered after it reads too early
@@ -107,7 +108,7 @@ def test_torch_graph_feeds_cupy_and_numba_kernels_through_dlpack2cai(spin):
         stream = torch.cuda.current_stream().cuda_stream
         view = dlpack2cai(src, stream=stream)
         exported.append(view.__cuda_array_interface__["stream"])
-        with cupy.cuda.ExternalStream(stream):
+        with external_stream(stream):
             # Through the view's DLPack side: asked for the same stream, so nothing to order.
             cupy.multiply(cupy.from_dlpack(view), 2, out=doubled)
         a = numba_cuda.as_cuda_array(view, sync=False)  # Numba would synchronize the stream: a capture forbids it

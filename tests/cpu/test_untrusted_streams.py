@@ -1,0 +1,126 @@
+"""A stream a consumer names by handle may be destroyed once the call returns (CuPy's and Numba's stream objects
+destroy theirs when collected), and any runtime call on a destroyed handle may crash the process (seen on an H200:
+a query, a record, even cudaStreamGetId). So by default nothing made for a handle uses it at the drop: the release
+is made at once, as before ordered release, and a device copy's memory goes back by cudaFree. The legacy and
+per-thread streams never go, and stay ordered; options(trust_streams=True) (or CAI_DLPACK_TRUST_STREAMS=1) says the
+caller's handles outlive what is made for them, and orders after them too (test_ordered_release.py)."""
+import gc
+import os
+import subprocess
+import sys
+import weakref
+
+import numpy as np
+import pytest
+
+import cai_dlpack
+from cai_dlpack import DLPackShim, _core
+from test_ordered_release import DOORS, NEXT, ORIGINAL, S1, S2, Pool, consume, drain, kernel_after_drop, read
+
+HANDLE_DOORS = ["DLPackShim", "cai2dlpack", "DLPackView", "C API"]
+
+
+@pytest.fixture
+def late(cudart):
+    assert cai_dlpack.options()["trust_streams"] is False  # the default
+    cudart.add_stream(S1, 0)
+    cudart.add_stream(S2, 0)
+    cudart.late = True
+    yield cudart
+    drain(cudart)
+    cudart.late = False
+
+
+def naming(log, stream):
+    return [line for line in log if f"{stream})" in line or f"{stream}," in line]
+
+
+@pytest.mark.parametrize("door", HANDLE_DOORS)
+def test_a_handle_is_not_used_at_the_drop(late, door):
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    watch = weakref.ref(x)
+    data, drop, stream = DOORS[door](x)
+    assert stream == S2
+    late.launch_kernel(S2, lambda: None)
+    del x
+    late.clear_log()
+    drop()
+    gc.collect()
+    assert watch() is None  # released at once: nothing waits on a stream that may be gone
+    assert naming(late.log(), S2) == [], late.log()
+    assert _core._pending_releases()["pending"] == 0
+
+
+@pytest.mark.parametrize("door", HANDLE_DOORS)
+def test_without_trust_a_kernel_queued_before_the_drop_can_read_reused_memory(late, door):
+    """The price of the default, shown: the issue's scenario on an untrusted handle reads the next allocation."""
+    seen, watch, waits = kernel_after_drop(late, door)
+    np.testing.assert_array_equal(seen, NEXT)
+    assert watch() is None
+
+
+@pytest.mark.parametrize("door", ["cai2dlpack without keywords", "exchange API"])
+def test_the_legacy_stream_is_ordered_without_trust(late, door):
+    seen, watch, waits = kernel_after_drop(late, door)
+    np.testing.assert_array_equal(seen, ORIGINAL)
+    assert waits == 0
+
+
+def test_trusted_handles_are_ordered(late):
+    cai_dlpack.options(trust_streams=True)
+    try:
+        seen, watch, waits = kernel_after_drop(late, "DLPackShim")
+    finally:
+        cai_dlpack.options(trust_streams=False)
+    np.testing.assert_array_equal(seen, ORIGINAL)
+
+
+def test_a_device_copy_for_a_handle_is_freed_by_cudafree_at_the_drop(late):
+    """The copy's memory cannot go back in the order of a stream that may be gone: cudaFree, which waits for the
+    device, so a kernel queued before the drop still reads the copy."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    copy, drop = consume(DLPackShim(x).__dlpack__(stream=S2, copy=True, max_version=(1, 0)))
+    seen = []
+    late.launch_kernel(S2, lambda: seen.append(read(copy)))
+    late.clear_log()
+    drop()
+    assert "cudaFree()" in late.log() and naming(late.log(), S2) == [], late.log()
+    np.testing.assert_array_equal(seen[0], ORIGINAL)  # cudaFree ran the device first
+
+
+def test_the_option_is_taken_when_the_tensor_is_made(late):
+    """What was made while trusted stays ordered after its handle when trust is switched off before the drop."""
+    cai_dlpack.options(trust_streams=True)
+    try:
+        pool = Pool(late)
+        x = pool.take(ORIGINAL)
+        watch = weakref.ref(x)
+        data, drop, _ = DOORS["DLPackShim"](x)
+        del x
+    finally:
+        cai_dlpack.options(trust_streams=False)
+    late.launch_kernel(S2, lambda: None)
+    drop()
+    gc.collect()
+    assert watch() is not None and _core._pending_releases()["pending"] == 1
+    drain(late)
+    assert watch() is None
+
+
+@pytest.mark.parametrize("value", [1, "yes", 0.0])
+def test_trust_streams_takes_only_a_bool(value):
+    with pytest.raises(TypeError, match=f"options\\(trust_streams=...\\) must be a bool, not {type(value).__name__}"):
+        cai_dlpack.options(trust_streams=value, sync=False)
+    assert cai_dlpack.options() == {"sync": True, "export_stream": True, "trust_streams": False}  # nothing half-done
+
+
+def test_trust_streams_from_the_environment():
+    code = "import cai_dlpack; print(cai_dlpack.options()['trust_streams'])"
+    for word, expected in [("1", "True"), ("0", "False"), (None, "False")]:
+        env = {k: v for k, v in os.environ.items() if k != "CAI_DLPACK_TRUST_STREAMS"}
+        if word is not None:
+            env["CAI_DLPACK_TRUST_STREAMS"] = word
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert result.stdout.strip() == expected, (word, result.stderr)
