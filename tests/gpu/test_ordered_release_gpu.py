@@ -112,7 +112,9 @@ def test_torch_block_outlives_the_cupy_read_queued_before_the_view_died(ordering
         view = dlpack2cai(x, stream=consumer.ptr)
     with consumer:
         spin((1,), (1,), (np.int64(SPIN_NS),))
-        total = cupy.asarray(view).sum()  # queued after the spin
+        # Through DLPack: CuPy reading a CAI that names a stream synchronizes that stream on the host, which
+        # would end the spin before the drop.
+        total = cupy.from_dlpack(view).sum()  # queued after the spin
     del view, x  # torch's caching allocator gets the block back when the view lets go of the tensor
     with torch.cuda.stream(producer):
         y = torch.empty(N, device="cuda")
