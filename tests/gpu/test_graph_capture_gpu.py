@@ -99,9 +99,9 @@ def test_torch_graph_feeds_cupy_and_numba_kernels_through_dlpack2cai(spin):
         if i < a.size:
             b[i] = 3 * a[i]
 
-    probe = numba_cuda.device_array(1, dtype=np.float32)
+    probe = numba_cuda.device_array(N, dtype=np.float32)
     try:  # compiled now, outside any capture
-        triple[1, 1](probe, probe)
+        triple[N // 256, 256](probe, probe)
     except AttributeError as error:  # numba-cuda 0.30 asks NumPy 2.5 for np.row_stack, which it no longer has
         pytest.skip(f"this numba-cuda cannot compile a kernel with NumPy {np.__version__}: {error}")
 
