@@ -55,8 +55,10 @@ typedef struct cai_dlpack_api {
      * DLPackShim or a DLPackView) -> a new owning tensor, its data ready on consumer_stream. The caller
      * owns *out and calls its deleter exactly once (from any thread, with or without the GIL). Ordered
      * release: the deleter does not wait, and what keeps the memory alive is released only once the work
-     * queued on consumer_stream by the time of the call has run (an event recorded there; none for -1, and
-     * none on a capturing stream: memory a graph uses must outlive the graph). A bare interface dict is
+     * queued on consumer_stream by the time of the deleter has run (an event recorded there; none for -1,
+     * none on a capturing stream: memory a graph uses must outlive the graph, and none on a cudaStream_t
+     * unless the module's option trust_streams was on at this call: the stream may be destroyed by the
+     * deleter's time, and a call on a destroyed stream may crash). A bare interface dict is
      * refused (TypeError): it does not keep its memory alive; pass the object that does. On failure *out is
      * NULL. */
     int (*to_managed_tensor)(PyObject *obj, int64_t consumer_stream, DLManagedTensorVersioned **out);
@@ -73,7 +75,8 @@ typedef struct cai_dlpack_api {
      * other negative values are refused with ValueError). Steals managed on every path: on failure (a bad
      * stream, a tensor the view cannot describe, no memory) its deleter has already run when this returns,
      * and the caller must not touch it again. A NULL managed raises ValueError. Ordered release: when the
-     * view dies, managed's deleter is called once the work queued on stream by then has run (not for -1). */
+     * view dies, managed's deleter is called once the work queued on stream by then has run (not for -1,
+     * nor for a cudaStream_t unless trust_streams was on at this call). */
     PyObject *(*view_from_managed_tensor)(DLManagedTensorVersioned *managed, int64_t stream);
 } cai_dlpack_api;
 
