@@ -563,8 +563,9 @@ PyObject *cdl_export_copy(const cdl_array *arr, DLDevice target, int64_t consume
             return NULL;
         PyObject *capsule = cdl_capsule_owning_data(&copy, cdl_release_copy, versioned);
         /* The copy's memory goes back at the drop: in the order of a stream that is sure to be there then (see
-         * cdl_release_point_for_drop), else by cudaFree, which waits for the device. */
-        if (release_at.stream > CDL_STREAM_PER_THREAD && !cdl_option_trust_streams)
+         * cdl_release_point_for_drop), else by cudaFree, which waits for the device. The promise covers the
+         * streams consumers name, not the producer's, which a copy for stream -1 is made on. */
+        if (release_at.stream > CDL_STREAM_PER_THREAD && (!cdl_option_trust_streams || release_at.stream != consumer))
             release_at.stream = 0;
         if (capsule != NULL)
             cdl_capsule_order_release(capsule, &release_at, stream_ordered);

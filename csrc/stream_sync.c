@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 _Atomic int cdl_option_sync = 1;
 _Atomic int cdl_option_export_stream = 1;
@@ -50,6 +51,17 @@ static int cdl_fail(cdl_failed_call *failed, const char *call, cudaError_t code)
     return -1;
 }
 
+/* 1 only where name says so in words (1, true, yes, on, in any case): for an option whose mistaken "on" costs
+ * more than a mistaken "off". */
+static int cdl_env_says_on(const char *name)
+{
+    const char *value = getenv(name);
+    if (value == NULL)
+        return 0;
+    return strcmp(value, "1") == 0 || strcasecmp(value, "true") == 0 || strcasecmp(value, "yes") == 0 ||
+           strcasecmp(value, "on") == 0;
+}
+
 static int cdl_env_flag(const char *name, int fallback)
 {
     const char *value = getenv(name);
@@ -63,7 +75,8 @@ void cdl_stream_options_init(void)
 {
     cdl_option_sync = cdl_env_flag("CAI_DLPACK_SYNC", 1);
     cdl_option_export_stream = cdl_env_flag("CAI_DLPACK_EXPORT_STREAM", 1);
-    cdl_option_trust_streams = cdl_env_flag("CAI_DLPACK_TRUST_STREAMS", 0);
+    /* A promise about the caller's streams: made only in so many words (a typo must not make it). */
+    cdl_option_trust_streams = cdl_env_says_on("CAI_DLPACK_TRUST_STREAMS");
 }
 
 /* A consumer's stream object of the CUDA stream protocol (cuda.core, tvm-ffi, CuPy, ...):
@@ -684,21 +697,18 @@ PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
     enum { count = sizeof options / sizeof options[0] };
     if (cdl_parse_keywords("options", args, nargs, kwnames, 0, names, values, count) < 0)
         return NULL;
-    int chosen[count];
     for (int i = 0; i < count; i++) {
-        chosen[i] = *options[i];
-        if (values[i] != NULL && values[i] != Py_None) {
-            if (!PyBool_Check(values[i])) {
-                PyErr_Format(PyExc_TypeError, "options(%U=...) must be a bool, not %.200s", names[i],
-                             Py_TYPE(values[i])->tp_name);
-                return NULL;
-            }
-            chosen[i] = values[i] == Py_True;
+        if (values[i] != NULL && values[i] != Py_None && !PyBool_Check(values[i])) {
+            PyErr_Format(PyExc_TypeError, "options(%U=%.200R) must be a bool, not %.200s", names[i], values[i],
+                         Py_TYPE(values[i])->tp_name);
+            return NULL;
         }
     }
-    /* Applied only once every argument is known to be valid: nothing half-done. */
+    /* Applied only once every argument is known to be valid (nothing half-done), and only those named: another
+     * thread's setting of an option this call does not name is left as that thread made it. */
     for (int i = 0; i < count; i++)
-        *options[i] = chosen[i];
+        if (values[i] != NULL && values[i] != Py_None)
+            *options[i] = values[i] == Py_True;
     return Py_BuildValue("{s:O, s:O, s:O}", "sync", cdl_option_sync ? Py_True : Py_False, "export_stream",
                          cdl_option_export_stream ? Py_True : Py_False, "trust_streams",
                          cdl_option_trust_streams ? Py_True : Py_False);

@@ -19,9 +19,10 @@ def trusted_streams(monkeypatch):
     import cai_dlpack
 
     monkeypatch.setenv("CAI_DLPACK_TRUST_STREAMS", "1")
+    before = cai_dlpack.options()["trust_streams"]
     cai_dlpack.options(trust_streams=True)
     yield
-    cai_dlpack.options(trust_streams=False)
+    cai_dlpack.options(trust_streams=before)
 
 
 @pytest.fixture

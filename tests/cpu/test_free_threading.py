@@ -216,6 +216,26 @@ def test_options_change_while_other_threads_convert(cudart):
     assert options() == before
 
 
+def test_an_option_one_thread_sets_is_not_undone_by_another_threads_call():
+    """options() writes only the options it names: one thread switching export_stream over and over never puts back
+    an old trust_streams over the one another thread just set (calls overlap on a free-threaded build)."""
+    before = options()
+
+    def work(i):
+        for round in range(2000):
+            if i == 0:
+                options(export_stream=bool(round % 2))
+            else:
+                wanted = bool(round % 2)
+                options(trust_streams=wanted)
+                assert options()["trust_streams"] is wanted, round
+
+    try:
+        assert run_threads(work, count=2) == []
+    finally:
+        options(**before)
+
+
 def test_a_descr_list_changed_by_another_thread_is_read_whole():
     """A producer's descr list, replaced item by item by one thread while others convert: each conversion reads the
     list as it is at one moment, so it names bfloat16 (its item) or nothing (refused), never a torn read."""

@@ -603,7 +603,7 @@ OFF_WORDS, ON_WORDS = ["0", "false", "False", "no", "off"], ["1", "true", "True"
 def test_the_environment_sets_each_option_at_import():
     """CAI_DLPACK_SYNC and CAI_DLPACK_EXPORT_STREAM, read when the module is imported: 0, false, False, no and off
     switch an option off; any other value, or none, leaves it on. CAI_DLPACK_TRUST_STREAMS, off by default, is
-    switched on by any of those other values but the empty one. Each value in a fresh interpreter."""
+    switched on by 1, true, yes and on alone. Each value in a fresh interpreter."""
     import json
     import subprocess
 
@@ -615,7 +615,7 @@ def test_the_environment_sets_each_option_at_import():
         assert result.returncode == 0, result.stderr
         on = word not in OFF_WORDS
         assert json.loads(result.stdout) == {"sync": on, "export_stream": on and word != "1",
-                                             "trust_streams": on and word != ""}, word
+                                             "trust_streams": word in ("1", "true", "True", "yes", "on")}, word
 
 
 def test_a_views_dlpack_with_no_keyword_is_a_host_consumers_and_waits_once(cudart, host_accessible):

@@ -21,8 +21,17 @@ HANDLE_DOORS = ["DLPackShim", "cai2dlpack", "DLPackView", "C API"]
 
 
 @pytest.fixture
-def late(cudart):
-    assert cai_dlpack.options()["trust_streams"] is False  # the default
+def untrusted(monkeypatch):
+    """The default, whatever the environment the suite runs in says."""
+    monkeypatch.delenv("CAI_DLPACK_TRUST_STREAMS", raising=False)
+    before = cai_dlpack.options()["trust_streams"]
+    cai_dlpack.options(trust_streams=False)
+    yield
+    cai_dlpack.options(trust_streams=before)
+
+
+@pytest.fixture
+def late(cudart, untrusted):
     cudart.add_stream(S1, 0)
     cudart.add_stream(S2, 0)
     cudart.late = True
@@ -110,17 +119,83 @@ def test_the_option_is_taken_when_the_tensor_is_made(late):
 
 
 @pytest.mark.parametrize("value", [1, "yes", 0.0])
-def test_trust_streams_takes_only_a_bool(value):
-    with pytest.raises(TypeError, match=f"options\\(trust_streams=...\\) must be a bool, not {type(value).__name__}"):
+def test_trust_streams_takes_only_a_bool(untrusted, value):
+    """A TypeError naming the key, the value and its type; and no setting changes, the valid ones named with it
+    neither (nothing half-done)."""
+    with pytest.raises(TypeError) as raised:
         cai_dlpack.options(trust_streams=value, sync=False)
-    assert cai_dlpack.options() == {"sync": True, "export_stream": True, "trust_streams": False}  # nothing half-done
+    assert str(raised.value) == f"options(trust_streams={value!r}) must be a bool, not {type(value).__name__}"
+    assert cai_dlpack.options() == {"sync": True, "export_stream": True, "trust_streams": False}
 
 
-def test_trust_streams_from_the_environment():
+def test_an_option_not_named_is_left_as_it_is(untrusted):
+    cai_dlpack.options(trust_streams=True)
+    try:
+        assert cai_dlpack.options(export_stream=True, sync=None)["trust_streams"] is True
+    finally:
+        cai_dlpack.options(trust_streams=False)
+
+
+def test_trust_streams_from_the_environment_only_in_so_many_words():
+    """A promise about the caller's streams is made only by 1, true, yes or on (any case): a typo or an unknown
+    word leaves it off, where the opt-outs' variables take any word but the off ones as on."""
     code = "import cai_dlpack; print(cai_dlpack.options()['trust_streams'])"
-    for word, expected in [("1", "True"), ("0", "False"), (None, "False")]:
+    words = {"1": True, "true": True, "TRUE": True, "Yes": True, "on": True, None: False, "": False, "0": False,
+             "off": False, "FALSE": False, "No": False, "n": False, "anything": False, " 1": False, "2": False}
+    seen = {}
+    for word in words:
         env = {k: v for k, v in os.environ.items() if k != "CAI_DLPACK_TRUST_STREAMS"}
         if word is not None:
             env["CAI_DLPACK_TRUST_STREAMS"] = word
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-        assert result.stdout.strip() == expected, (word, result.stderr)
+        assert result.returncode == 0, result.stderr
+        seen[word] = result.stdout.strip() == "True"
+    assert seen == words
+
+
+def test_a_device_copy_for_a_handle_keeps_its_source_until_the_copy_ran(late):
+    """The copy is queued on the handle's stream during the call, while the stream is surely there: its source is
+    kept until the copy ran, trusted or not."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    watch = weakref.ref(x)
+    copy, drop = consume(DLPackShim(x).__dlpack__(stream=S2, copy=True, max_version=(1, 0)))
+    del x
+    gc.collect()
+    assert watch() is not None
+    later = pool.take(NEXT)
+    late.run_stream(S2)
+    np.testing.assert_array_equal(read(copy), ORIGINAL)
+    drain(late)
+    assert watch() is None
+    drop()
+    del later
+
+
+def test_a_trusted_copy_for_stream_minus_one_is_not_freed_on_the_producers_stream(late):
+    """stream=-1 copies on the producer's stream; the promise covers the streams consumers name, not the producer's
+    (which may go with the producer), so the copy's memory goes back by cudaFree at the drop."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    cai_dlpack.options(trust_streams=True)
+    try:
+        copy, drop = consume(DLPackShim(x).__dlpack__(stream=-1, copy=True, max_version=(1, 0)))
+    finally:
+        cai_dlpack.options(trust_streams=False)
+    del x
+    late.run_all()
+    late.clear_log()
+    drop()
+    assert "cudaFree()" in late.log() and naming(late.log(), S1) == [], late.log()
+
+
+def test_a_failed_cudafree_of_a_copy_leaves_no_runtime_error_behind(late):
+    """The drop's cudaFree has nobody to report to: its error is cleared, not left for the next framework."""
+    pool = Pool(late)
+    x = pool.take(ORIGINAL)
+    copy, drop = consume(DLPackShim(x).__dlpack__(stream=S2, copy=True, max_version=(1, 0)))
+    late.run_all()
+    late.clear_log()
+    late.fail("cudaFree", 700)
+    drop()
+    assert "cudaFree()" in late.log() and late.last_error == 0 and late.context_device == 0, late.log()

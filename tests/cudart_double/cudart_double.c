@@ -1198,6 +1198,11 @@ static cudaError_t free_now(const char *call, void *pointer)
 {
     pthread_mutex_lock(&lock);
     note("%s()", call);
+    int code = injected(call);
+    if (code != 0) {
+        pthread_mutex_unlock(&lock);
+        return code;
+    }
     if (unsafe_call(call) != 0) {
         pthread_mutex_unlock(&lock);
         return 900;
