@@ -279,9 +279,12 @@ def main(argv=()):
         print(f"| {what:{width}s} | {verdict:{verdict_width}s} | {ns:>18,.0f} |")
     print("same memory: the result's address is the source's, and a value written through one is read through\n"
           "the other; ns per call: the median of 9 samples of each row, the rows sampled in turns")
-    failed = [what for what, verdict, _ in rows if verdict != "yes"]
+    # Named with the verdict: a consumer that raised (a third-party library broken by its own dependencies, say)
+    # is told apart from memory that was not shared.
+    failed = [f"{what} ({verdict})" for what, verdict, _ in rows if verdict != "yes"]
     if failed:
-        print(f"\nFAILED: {len(failed)} of {len(rows)} conversions did not share memory: {'; '.join(failed)}")
+        print(f"\nFAILED: {len(failed)} of {len(rows)} conversions were not shown to share memory: "
+              f"{'; '.join(failed)}")
         return 1
     np = optional("numpy")
     if np is not None:
