@@ -660,6 +660,11 @@ def test_collecting_releases_leaves_another_threads_global_capture_whole(late):
 def test_device_copy_keeps_its_source_until_the_copy_ran(late):
     """copy=True queues the copy on the consumer's stream: the source stays alive until it ran (the producer's pool
     cannot hand the block out), and the producer's stream waits for the copy."""
+    copy_keeps_its_source_until_it_ran(late)
+
+
+def copy_keeps_its_source_until_it_ran(late):
+    """The body of the test above (test_untrusted_streams.py runs it without trust too)."""
     pool = Pool(late)
     x = pool.take(ORIGINAL)
     watch = weakref.ref(x)

@@ -15,7 +15,8 @@ import pytest
 
 import cai_dlpack
 from cai_dlpack import DLPackShim, _core
-from test_ordered_release import DOORS, NEXT, ORIGINAL, S1, S2, Pool, consume, drain, kernel_after_drop, read
+from test_ordered_release import (DOORS, NEXT, ORIGINAL, S1, S2, Pool, consume, copy_keeps_its_source_until_it_ran,
+                                  drain, kernel_after_drop, read)
 
 HANDLE_DOORS = ["DLPackShim", "cai2dlpack", "DLPackView", "C API"]
 
@@ -156,20 +157,7 @@ def test_trust_streams_from_the_environment_only_in_so_many_words():
 def test_a_device_copy_for_a_handle_keeps_its_source_until_the_copy_ran(late):
     """The copy is queued on the handle's stream during the call, while the stream is surely there: its source is
     kept until the copy ran, trusted or not."""
-    pool = Pool(late)
-    x = pool.take(ORIGINAL)
-    watch = weakref.ref(x)
-    copy, drop = consume(DLPackShim(x).__dlpack__(stream=S2, copy=True, max_version=(1, 0)))
-    del x
-    gc.collect()
-    assert watch() is not None
-    later = pool.take(NEXT)
-    late.run_stream(S2)
-    np.testing.assert_array_equal(read(copy), ORIGINAL)
-    drain(late)
-    assert watch() is None
-    drop()
-    del later
+    copy_keeps_its_source_until_it_ran(late)
 
 
 def test_a_trusted_copy_for_stream_minus_one_is_not_freed_on_the_producers_stream(late):
