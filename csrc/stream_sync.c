@@ -67,8 +67,8 @@ static int cdl_env_flag(const char *name, int fallback)
     const char *value = getenv(name);
     if (value == NULL || value[0] == '\0')
         return fallback;
-    return !(strcmp(value, "0") == 0 || strcmp(value, "false") == 0 || strcmp(value, "False") == 0 ||
-             strcmp(value, "no") == 0 || strcmp(value, "off") == 0);
+    return !(strcmp(value, "0") == 0 || strcasecmp(value, "false") == 0 || strcasecmp(value, "no") == 0 ||
+             strcasecmp(value, "off") == 0);
 }
 
 void cdl_stream_options_init(void)
@@ -699,8 +699,18 @@ PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     for (int i = 0; i < count; i++) {
         if (values[i] != NULL && values[i] != Py_None && !PyBool_Check(values[i])) {
-            PyErr_Format(PyExc_TypeError, "options(%U=%.200R) must be a bool, not %.200s", names[i], values[i],
-                         Py_TYPE(values[i])->tp_name);
+            /* The value as repr shows it; a repr that fails leaves it out, the refusal is the error to report. */
+            PyObject *shown = PyObject_Repr(values[i]);
+            if (shown == NULL && !PyErr_ExceptionMatches(PyExc_Exception))
+                return NULL;
+            PyErr_Clear();
+            if (shown != NULL)
+                PyErr_Format(PyExc_TypeError, "options(%U=%.200U) must be a bool, not %.200s", names[i], shown,
+                             Py_TYPE(values[i])->tp_name);
+            else
+                PyErr_Format(PyExc_TypeError, "options(%U=...) must be a bool, not %.200s", names[i],
+                             Py_TYPE(values[i])->tp_name);
+            Py_XDECREF(shown);
             return NULL;
         }
     }

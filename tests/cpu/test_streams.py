@@ -597,12 +597,13 @@ def test_a_views_event_is_destroyed_leaving_the_runtimes_last_error_as_it_found_
     assert cudart.last_error == 0
 
 
-OFF_WORDS, ON_WORDS = ["0", "false", "False", "no", "off"], ["1", "true", "True", "yes", "on", "anything", ""]
+OFF_WORDS, ON_WORDS = ["0", "false", "False", "FALSE", "no", "No", "off", "OFF"], ["1", "true", "True", "yes", "on",
+                                                                                  "anything", ""]
 
 
 def test_the_environment_sets_each_option_at_import():
-    """CAI_DLPACK_SYNC and CAI_DLPACK_EXPORT_STREAM, read when the module is imported: 0, false, False, no and off
-    switch an option off; any other value, or none, leaves it on. CAI_DLPACK_TRUST_STREAMS, off by default, is
+    """CAI_DLPACK_SYNC and CAI_DLPACK_EXPORT_STREAM, read when the module is imported: 0, false, no and off (in
+    any case) switch an option off; any other value, or none, leaves it on. CAI_DLPACK_TRUST_STREAMS, off by default, is
     switched on by 1, true, yes and on alone. Each value in a fresh interpreter."""
     import json
     import subprocess

@@ -123,18 +123,33 @@ def test_the_option_is_taken_when_the_tensor_is_made(late):
 def test_trust_streams_takes_only_a_bool(untrusted, value):
     """A TypeError naming the key, the value and its type; and no setting changes, the valid ones named with it
     neither (nothing half-done)."""
+    before = cai_dlpack.options()
     with pytest.raises(TypeError) as raised:
         cai_dlpack.options(trust_streams=value, sync=False)
     assert str(raised.value) == f"options(trust_streams={value!r}) must be a bool, not {type(value).__name__}"
-    assert cai_dlpack.options() == {"sync": True, "export_stream": True, "trust_streams": False}
+    assert cai_dlpack.options() == before
 
 
-def test_an_option_not_named_is_left_as_it_is(untrusted):
-    cai_dlpack.options(trust_streams=True)
+def test_an_option_not_named_or_given_none_is_left_as_it_is(untrusted):
+    before = cai_dlpack.options()
     try:
-        assert cai_dlpack.options(export_stream=True, sync=None)["trust_streams"] is True
+        away = {"sync": False, "export_stream": False, "trust_streams": True}  # each away from its default
+        assert cai_dlpack.options(**away) == away
+        assert cai_dlpack.options(sync=None, export_stream=None, trust_streams=None) == away
+        assert cai_dlpack.options(export_stream=False) == away
+        assert cai_dlpack.options(sync=True) == dict(away, sync=True)
     finally:
-        cai_dlpack.options(trust_streams=False)
+        cai_dlpack.options(**before)
+
+
+def test_a_refused_value_whose_repr_fails_is_still_refused_by_name(untrusted):
+    class Unshowable:
+        def __repr__(self):
+            raise ValueError("no repr")
+
+    with pytest.raises(TypeError, match=r"^options\(trust_streams=\.\.\.\) must be a bool, not Unshowable$"):
+        cai_dlpack.options(trust_streams=Unshowable())
+    assert cai_dlpack.options()["trust_streams"] is False
 
 
 def test_trust_streams_from_the_environment_only_in_so_many_words():
