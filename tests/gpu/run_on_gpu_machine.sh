@@ -34,4 +34,6 @@ python3 -m cai_dlpack 2>&1 | tee "$out/selfcheck.log" || status=$?
 PYTHONUNBUFFERED=1 python3 -m pytest tests/gpu -v -rs -s 2>&1 | tee "$out/gpu-tests.log" || status=$?
 # The results (cpu.md, gpu.md and their .png) go to $out beside the logs; the committed ones are left alone.
 PYTHONUNBUFFERED=1 python3 benchmarks/run_all.py --out "$out" 2>&1 | tee "$out/benchmarks.log" || status=$?
+# Runtime and driver calls per conversion, counted by CUPTI (runtime_calls.md beside the others).
+PYTHONUNBUFFERED=1 python3 benchmarks/runtime_calls_gpu.py --out "$out" || status=$?
 exit "$status"
