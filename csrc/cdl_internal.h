@@ -373,6 +373,12 @@ void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl
 /* The release point of what is made for a consumer and dropped later: as cdl_release_point_set, except that a
  * stream named by handle counts only under trust_streams (the handle may be dead by the drop). */
 void cdl_release_point_for_drop(cdl_release_point *point, int64_t consumer, const cdl_array *arr);
+/* Whether stream is a handle that nothing may use after the call that received it: one not covered by the
+ * caller's promise (trust_streams). The legacy and per-thread streams never go. */
+static inline int cdl_handle_untrusted(int64_t stream)
+{
+    return stream > CDL_STREAM_PER_THREAD && !cdl_option_trust_streams;
+}
 /* Calls release(argument) once an event recorded now on point's stream has completed: at a later conversion,
  * release or pending call of the interpreter (scheduled also when the stream reaches the event), never waiting
  * for the device (but past CDL_PENDING_LIMIT, where the oldest pending release with an event waits, and stays

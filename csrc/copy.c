@@ -565,7 +565,8 @@ PyObject *cdl_export_copy(const cdl_array *arr, DLDevice target, int64_t consume
         /* The copy's memory goes back at the drop: in the order of a stream that is sure to be there then (see
          * cdl_release_point_for_drop), else by cudaFree, which waits for the device. The promise covers the
          * streams consumers name, not the producer's, which a copy for stream -1 is made on. */
-        if (release_at.stream > CDL_STREAM_PER_THREAD && (!cdl_option_trust_streams || release_at.stream != consumer))
+        if (cdl_handle_untrusted(release_at.stream) ||
+            (release_at.stream > CDL_STREAM_PER_THREAD && release_at.stream != consumer))
             release_at.stream = 0;
         if (capsule != NULL)
             cdl_capsule_order_release(capsule, &release_at, stream_ordered);

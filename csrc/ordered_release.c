@@ -1,6 +1,7 @@
 /* Releases ordered after a consumer's stream: a tensor dropped on the host may still be read by work its
  * consumer queued, so what keeps its memory alive is released only once an event recorded on the consumer's
- * stream at the drop has completed. Nothing here waits for the device, except past the bound on pending
+ * stream at the drop has completed (the legacy or per-thread stream, or a handle the caller trusts: see
+ * cdl_release_point_for_drop; any other is released at once). Nothing here waits for the device, except past the bound on pending
  * releases and, briefly, at exit. No Python here but the pending call and the module's two test functions. */
 #include "cdl_internal.h"
 #include "cuda_runtime_table.h"
@@ -233,7 +234,7 @@ void cdl_release_point_for_drop(cdl_release_point *point, int64_t consumer, cons
      * handle: any call on a destroyed one (a record, a query, even its id) reads freed memory and may crash the
      * process. So what is dropped later is ordered after a handle only where the caller said its streams outlive
      * what is made for them; the legacy and per-thread streams never go. */
-    if (consumer > CDL_STREAM_PER_THREAD && !cdl_option_trust_streams)
+    if (cdl_handle_untrusted(consumer))
         consumer = 0;
     cdl_release_point_set(point, consumer, arr);
 }

@@ -156,8 +156,9 @@ def test_trust_streams_from_the_environment_only_in_so_many_words():
     """A promise about the caller's streams is made only by 1, true, yes or on (any case): a typo or an unknown
     word leaves it off, where the opt-outs' variables take any word but the off ones as on."""
     code = "import cai_dlpack; print(cai_dlpack.options()['trust_streams'])"
-    words = {"1": True, "true": True, "TRUE": True, "Yes": True, "on": True, None: False, "": False, "0": False,
-             "off": False, "FALSE": False, "No": False, "n": False, "anything": False, " 1": False, "2": False}
+    words = {"1": True, "true": True, "TRUE": True, "Yes": True, "on": True, "ON": True, None: False, "": False,
+             "0": False, "off": False, "FALSE": False, "No": False, "n": False, "anything": False, " 1": False,
+             "2": False}
     seen = {}
     for word in words:
         env = {k: v for k, v in os.environ.items() if k != "CAI_DLPACK_TRUST_STREAMS"}

@@ -29,8 +29,12 @@ SPIN_NS = 200_000_000  # the consumer's queued work: its read comes this late
 
 @pytest.fixture
 def ordering():
+    """The consumers' streams trusted, and CuPy's blocks taken from a pool of the test's own: CuPy keeps a free list
+    per stream handle (a new stream may get a dead one's handle, and its list) and takes any block of the size from
+    it, so blocks earlier tests left free would decide which block the producer's next array gets."""
     cai_dlpack.options(trust_streams=True)
-    yield lambda enabled: _core._set_ordered_release(enabled)
+    with cupy.cuda.using_allocator(cupy.cuda.MemoryPool().malloc):
+        yield lambda enabled: _core._set_ordered_release(enabled)
     _core._set_ordered_release(True)
     cai_dlpack.options(trust_streams=False)
 
