@@ -15,8 +15,10 @@ import pytest
 
 import cai_dlpack
 from cai_dlpack import DLPackShim, _core
-from test_ordered_release import (DOORS, NEXT, ORIGINAL, S1, S2, Pool, consume, copy_keeps_its_source_until_it_ran,
-                                  drain, kernel_after_drop, read)
+from support.cai_objects import CaiArray, register
+from support.cuda_double import DEVICE
+from test_ordered_release import (DOORS, N, NEXT, ORIGINAL, S1, S2, Pool, consume,
+                                  copy_keeps_its_source_until_it_ran, drain, kernel_after_drop, read)
 
 HANDLE_DOORS = ["DLPackShim", "cai2dlpack", "DLPackView", "C API"]
 
@@ -203,3 +205,15 @@ def test_a_failed_cudafree_of_a_copy_leaves_no_runtime_error_behind(late):
     late.fail("cudaFree", 700)
     drop()
     assert "cudaFree()" in late.log() and late.last_error == 0 and late.context_device == 0, late.log()
+
+
+def test_a_copy_for_minus_one_made_on_the_producers_per_thread_stream_goes_back_in_its_order(late):
+    """The per-thread stream never goes: a copy for stream=-1, made on the producer's per-thread stream, is freed
+    by cudaFreeAsync there at the drop, no promise needed."""
+    block = np.arange(N, dtype=np.float32)
+    register(late, block, DEVICE)
+    copy, drop = consume(DLPackShim(CaiArray(block, stream=2)).__dlpack__(stream=-1, copy=True, max_version=(1, 0)))
+    late.run_all()
+    late.clear_log()
+    drop()
+    assert "cudaFreeAsync(2)" in late.log() and "cudaFree()" not in late.log(), late.log()
