@@ -16,6 +16,7 @@ dlpack2cai rows of the wall-clock benchmark. Runtime calls per conversion are co
 Usage: python benchmarks/instructions.py (or run_all.py --instructions); needs valgrind and its headers."""
 import glob
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -235,7 +236,10 @@ def run(out_folder):
         raise SystemExit("instruction counts need valgrind (with callgrind and its headers) on the PATH")
     dumps = tempfile.mkdtemp(prefix="cdl_callgrind_")
     environment = dict(os.environ, **{CHILD: dumps, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"})
-    subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+    # Address-space randomization off: CPython's type-attribute cache slots hash the names' addresses, so with
+    # it on, two runs of one build differ by a few dozen instructions a row; with it off they agree exactly.
+    fixed_layout = ["setarch", platform.machine(), "--addr-no-randomize"] if shutil.which("setarch") else []
+    subprocess.run(fixed_layout + ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
                     f"--callgrind-out-file={dumps}/callgrind.out.%p", sys.executable, os.path.abspath(__file__)],
                    env=environment, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     counts = read_dumps(dumps)

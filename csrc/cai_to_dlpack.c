@@ -1166,7 +1166,13 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
     if (stream == NULL && dl_device == NULL && copy == NULL) {
         /* No keyword but max_version (torch's call for host memory): the legacy stream, the data where it is. */
         int versioned = 0;
-        if (max_version != NULL && cdl_parse_max_version(max_version, &versioned) < 0)
+        int64_t major;
+        /* torch's (1, 0), read inline; anything else (a bool, a big int, a list) by the general parse. */
+        if (max_version != NULL && PyTuple_CheckExact(max_version) && PyTuple_GET_SIZE(max_version) == 2 &&
+            PyLong_CheckExact(PyTuple_GET_ITEM(max_version, 1)) &&
+            cdl_compact_int(PyTuple_GET_ITEM(max_version, 0), &major))
+            versioned = major >= 1;
+        else if (max_version != NULL && cdl_parse_max_version(max_version, &versioned) < 0)
             return NULL;
         if (arr->read_only && !versioned)
             return cdl_refuse_read_only_legacy();

@@ -187,8 +187,20 @@ int cdl_names_init(void);
  * (borrowed; untouched when absent). Returns 0, or -1 with TypeError. */
 int cdl_parse_keywords(const char *func, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                        Py_ssize_t npositional, PyObject *const *names, PyObject **values, int count);
-/* The keywords of __dlpack__ (stream, max_version, dl_device, copy) into values[0..3]. */
-int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **values);
+/* The keywords of __dlpack__ (stream, max_version, dl_device, copy) into values[0..3], values cleared first. */
+int cdl_parse_dlpack_keywords_general(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **values);
+static inline int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                                            PyObject **values)
+{
+    /* torch.from_dlpack's call for host memory, __dlpack__(max_version=...), inline: no call, no frame. */
+    if (nargs == 0 && kwnames != NULL && PyTuple_GET_SIZE(kwnames) == 1 &&
+        PyTuple_GET_ITEM(kwnames, 0) == cdl_name.max_version) {
+        values[0] = values[2] = values[3] = NULL;
+        values[1] = args[0];
+        return 0;
+    }
+    return cdl_parse_dlpack_keywords_general(args, nargs, kwnames, values);
+}
 
 /* dtype.c: every fact about element types (and DLPack's names of codes) ------------------------------------------------------- */
 /* Returns 0 with *out filled, or -1 naming where (the interface) and the typestr: TypeError for a non-str,
@@ -352,9 +364,6 @@ int cdl_current_work_stream(DLDeviceType device_type, int32_t device_id, void **
 unsigned long long cdl_thread_serial(void);
 void cdl_stream_options_init(void);
 PyObject *cdl_options(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-
-/* A number for the calling thread that no other thread of the process ever has (thread idents are reused). */
-unsigned long long cdl_thread_serial(void);
 
 /* ordered_release.c: releases ordered after a consumer's stream ------------------------------------ */
 /* Where a release is ordered: after the work queued so far on a consumer's stream. stream 0: at once. */

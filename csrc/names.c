@@ -90,15 +90,9 @@ int cdl_parse_keywords(const char *func, PyObject *const *args, Py_ssize_t nargs
     return 0;
 }
 
-int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **values)
+int cdl_parse_dlpack_keywords_general(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **values)
 {
     values[0] = values[1] = values[2] = values[3] = NULL;
-    /* torch.from_dlpack's call for host memory, __dlpack__(max_version=...), in a few instructions. */
-    if (nargs == 0 && kwnames != NULL && PyTuple_GET_SIZE(kwnames) == 1 &&
-        PyTuple_GET_ITEM(kwnames, 0) == cdl_name.max_version) {
-        values[1] = args[0];
-        return 0;
-    }
     PyObject *names[] = {cdl_name.stream, cdl_name.max_version, cdl_name.dl_device, cdl_name.copy};
     return cdl_parse_keywords("__dlpack__", args, nargs, kwnames, 0, names, values, 4);
 }

@@ -277,6 +277,26 @@ def test_max_version_names_the_capsule_whichever_way_it_comes(major, versioned):
         assert capsule_name(shim.__dlpack__(**kwargs)) == expected, kwargs
 
 
+class VersionPair(tuple):
+    """A tuple subclass, as a namedtuple is: read as the tuple it is."""
+
+
+@pytest.mark.parametrize("max_version,versioned", [
+    ((1, True), True), ((1, 2**70), True), ((0, 2**70), False), ((1, -1), True), (VersionPair((1, 0)), True),
+    (VersionPair((0, 8)), False), ((-5, 0), False)])
+def test_max_version_minor_is_only_checked_to_be_an_int(max_version, versioned):
+    """The major alone decides; the minor is checked to be an int (a bool, a big or negative one included) and
+    never read, and a tuple subclass is a tuple: the same whether max_version comes alone (torch's call, read
+    inline) or beside another keyword (the general parse), through a shim and through cai2dlpack."""
+    expected = "dltensor_versioned" if versioned else "dltensor"
+    x = np.arange(3)
+    calls = (lambda: DLPackShim(x).__dlpack__(max_version=max_version),
+             lambda: DLPackShim(x).__dlpack__(max_version=max_version, stream=None),
+             lambda: cai2dlpack(x, max_version=max_version))
+    for call in calls:
+        assert capsule_name(call()) == expected, max_version
+
+
 def test_copy_takes_a_truth_value_as_numpy_does():
     """NumPy's __dlpack__ reads copy by its truth value: a NumPy bool_ or 0-d array works, an array of several
     values raises its own ValueError; a str is never read as True."""
