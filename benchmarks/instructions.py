@@ -230,15 +230,25 @@ def read_dumps(folder):
     return found
 
 
+def fixed_layout_prefix():
+    """The command prefix that turns address-space randomization off for the run, or [] where it cannot be (no
+    setarch, or a container whose seccomp profile refuses the personality call). CPython's type-attribute cache
+    slots hash the names' addresses, so with randomization on, two runs of one build differ by up to a few dozen
+    instructions a row; with it off, by a few."""
+    prefix = ["setarch", platform.machine(), "--addr-no-randomize"]
+    if shutil.which("setarch") is None:
+        return []
+    probe = subprocess.run(prefix + ["true"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return prefix if probe.returncode == 0 else []
+
+
 def run(out_folder):
     """Runs the cases under callgrind; returns {"rows": [(group, label, per call, ratio)], "calls": ...}."""
     if shutil.which("valgrind") is None:
         raise SystemExit("instruction counts need valgrind (with callgrind and its headers) on the PATH")
     dumps = tempfile.mkdtemp(prefix="cdl_callgrind_")
     environment = dict(os.environ, **{CHILD: dumps, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"})
-    # Address-space randomization off: CPython's type-attribute cache slots hash the names' addresses, so with
-    # it on, two runs of one build differ by a few dozen instructions a row; with it off they agree exactly.
-    fixed_layout = ["setarch", platform.machine(), "--addr-no-randomize"] if shutil.which("setarch") else []
+    fixed_layout = fixed_layout_prefix()
     subprocess.run(fixed_layout + ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
                     f"--callgrind-out-file={dumps}/callgrind.out.%p", sys.executable, os.path.abspath(__file__)],
                    env=environment, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
