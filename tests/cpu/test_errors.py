@@ -240,6 +240,7 @@ def test_strides_of_dimensions_of_extent_one_may_be_any_bytes():
     (dict(dl_device="cpu"), TypeError, "dl_device must be None or a (device_type, device_id) tuple"),
     (dict(max_version=1), TypeError, "max_version must be None or a (major, minor) tuple"),
     (dict(max_version=(1,)), TypeError, "max_version"),
+    (dict(max_version=(1, 0, 0)), TypeError, "max_version must be None or a (major, minor) tuple of ints, not (1, 0, 0)"),
     (dict(max_version=("1", 0)), TypeError, "max_version must be None or a (major, minor) tuple of ints, not ('1', 0)"),
     (dict(max_version=(1, 0.5)), TypeError, "max_version must be None or a (major, minor) tuple of ints, not (1, 0.5)"),
     (dict(max_version=(2**64, 0)), OverflowError, "too large to convert to C long"),
