@@ -1089,9 +1089,15 @@ cdl_export_shared(const cdl_array *arr, PyObject *owner, PyObject *keepalive, in
 {
     if (cdl_order_streams(arr, consumer) < 0)
         return NULL;
+    /* Memory no CUDA stream reads (the host's, a device type CUDA does not know) is released at once: the release
+     * point cdl_release_point_for_drop would give it says so, and is not made. */
     cdl_release_point point;
-    cdl_release_point_for_drop(&point, consumer, arr);
-    PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, versioned, &point);
+    const cdl_release_point *release_at = NULL;
+    if (cdl_device_accessible(arr->device.device_type)) {
+        cdl_release_point_for_drop(&point, consumer, arr);
+        release_at = &point;
+    }
+    PyObject *capsule = cdl_capsule_from_array(arr, owner, keepalive, versioned, release_at);
     if (capsule != NULL)
         cdl_release_completed();
     return capsule;

@@ -2,22 +2,33 @@
  * protocol, reading the wrapped object's interface once per conversion. */
 #include "cdl_internal.h"
 
-/* What __dlpack_device__ read, for the next __dlpack__ of the same shim on the same thread. */
+/* What __dlpack_device__ read, for the next __dlpack__ of the same shim on the same thread (state). */
 struct cdl_shim_reading {
     cdl_array arr;
     PyObject *keepalive;
-    unsigned long long thread; /* the serial of the thread that read it (an ident is reused after exit) */
+    unsigned long long thread; /* cdl_shim_thread() of the thread that read it */
 };
 
-/* The shim's pending slot holds a reading, or a mark: a thread's serial, shifted, with the low bit set (no reading
+/* Who is converting, as the shim's handoff tells threads apart: the unique id of the calling thread's Python thread
+ * state (PyThreadState_GetID), which its interpreter never gives twice, where an OS thread's ident is reused once
+ * it exits. A shim is an object of one interpreter, so its handoffs compare ids of that one. A thread that gets a
+ * new thread state between the two calls (a C thread's second PyGILState_Ensure) only reads afresh. Two calls
+ * into the interpreter where the process-wide serial (cdl_thread_serial) asks __tls_get_addr: 20 instructions a
+ * conversion less (callgrind), with no static TLS a crowded process may lack. */
+static inline unsigned long long cdl_shim_thread(void)
+{
+    return (unsigned long long)PyThreadState_GetID(PyThreadState_Get());
+}
+
+/* The shim's pending slot holds a reading, or a mark: a thread's cdl_shim_thread(), shifted, with the low bit set (no reading
  * is at an odd address), left by a __dlpack_device__ that found no CUDA interface but an array interface, so
  * that the __dlpack__ after it does not ask for the CUDA interface again (a failed attribute lookup, a sixth
- * of such a conversion's own cost). NULL where a serial does not fit (a 32-bit build's four billionth thread). */
-static cdl_shim_reading *cdl_host_mark(unsigned long long serial)
+ * of such a conversion's own cost). NULL where an id does not fit (a 32-bit build's four billionth thread state). */
+static cdl_shim_reading *cdl_host_mark(unsigned long long thread)
 {
-    if (serial > UINTPTR_MAX >> 1)
+    if (thread > UINTPTR_MAX >> 1)
         return NULL;
-    return (cdl_shim_reading *)(((uintptr_t)serial << 1) | 1);
+    return (cdl_shim_reading *)(((uintptr_t)thread << 1) | 1);
 }
 
 static int cdl_is_host_mark(const cdl_shim_reading *reading) { return ((uintptr_t)reading & 1) != 0; }
@@ -181,10 +192,10 @@ static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize
     cdl_shim_reading *reading = cdl_shim_take_reading(self);
     int cai_absent = 0;
     if (cdl_is_host_mark(reading)) {
-        cai_absent = reading == cdl_host_mark(cdl_thread_serial());
+        cai_absent = reading == cdl_host_mark(cdl_shim_thread());
         reading = NULL;
     }
-    else if (reading != NULL && reading->thread != cdl_thread_serial()) {
+    else if (reading != NULL && reading->thread != cdl_shim_thread()) {
         cdl_reading_free(reading); /* another thread's half conversion: read afresh */
         reading = NULL;
     }
@@ -234,7 +245,7 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
         if (host) {
             /* The __dlpack__ after this one on this thread reads the array interface without asking for the
              * CUDA one again: the device said is the memory exported. */
-            cdl_shim_leave_reading(self, cdl_host_mark(cdl_thread_serial()));
+            cdl_shim_leave_reading(self, cdl_host_mark(cdl_shim_thread()));
             return Py_NewRef(cdl_host_device);
         }
         /* Neither (or one just made): the reader decides, and says why in its own words. */
@@ -260,7 +271,7 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
         cdl_reading_free(reading);
         return NULL;
     }
-    reading->thread = cdl_thread_serial();
+    reading->thread = cdl_shim_thread();
     cdl_shim_leave_reading(self, reading);
     return device;
 }

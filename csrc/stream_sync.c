@@ -156,19 +156,11 @@ static int cdl_pool_key(const cdl_cudart *rt, const cdl_device_scope *scope, int
 }
 
 /* A number for the calling thread that no other thread of the process ever has (a thread's ident is reused
- * once it exits, and a graph captured there may still be replayed): given on the thread's first use. Under
- * glibc the number sits in the static TLS block (8 bytes of the room glibc keeps for libraries loaded later),
- * read at a fixed offset from the thread pointer: the default model for a shared library asks
- * __tls_get_addr on every read, twice per shim conversion. (No musl wheel is built; elsewhere the default.) */
-#if defined(__GLIBC__) && defined(__GNUC__)
-#define CDL_TLS_STATIC __attribute__((tls_model("initial-exec")))
-#else
-#define CDL_TLS_STATIC
-#endif
+ * once it exits, and a graph captured there may still be replayed): given on the thread's first use. */
 unsigned long long cdl_thread_serial(void)
 {
     static _Atomic unsigned long long next = 1;
-    static _Thread_local unsigned long long serial CDL_TLS_STATIC;
+    static _Thread_local unsigned long long serial;
     if (serial == 0)
         serial = next++;
     return serial;

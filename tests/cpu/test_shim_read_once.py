@@ -102,6 +102,29 @@ def test_another_threads_dlpack_reads_afresh(cudart, device_arrays):
     assert producer.reads == 3
 
 
+def test_a_new_thread_state_on_the_same_os_thread_reads_afresh(cudart, device_arrays):
+    """A reading is its Python thread state's: a C thread that takes the GIL under a new state for each call (a
+    PyGILState_Ensure per call) is, to the shim, a new thread each time, so its __dlpack__ reads afresh. The
+    state's id is never given twice, so no state takes another's reading, nor its host mark."""
+    swap = c_example.build_thread_state_swap()
+    producer = CountingCai(device_arrays[0])
+    shim = DLPackShim(producer)
+    shim.__dlpack_device__()
+    producer.array = device_arrays[1]
+    view = swap.call_in_new_thread_state(lambda: dlpack2cai(shim.__dlpack__(max_version=(1, 0))))
+    assert view.shape == (4, 5) and producer.reads == 2
+    swap.call_in_new_thread_state(shim.__dlpack_device__)  # a reading of that state's own, then the state goes
+    assert dlpack2cai(shim.__dlpack__(max_version=(1, 0))).shape == (4, 5) and producer.reads == 4
+    host = np.arange(6.0)
+    switching = Switching(host)
+    shim = DLPackShim(switching)
+    assert swap.call_in_new_thread_state(shim.__dlpack_device__) == (1, 0)
+    assert exported_pointer(shim.__dlpack__(max_version=(1, 0))) == ("__array_interface__", host.ctypes.data)
+    assert switching.cai_lookups == 2  # this state asked for the CUDA interface itself
+    with pytest.raises(ZeroDivisionError):  # the helper's own check: an error comes back to the caller
+        swap.call_in_new_thread_state(lambda: 1 / 0)
+
+
 def test_a_new_thread_with_a_dead_threads_ident_reads_afresh(cudart, device_arrays):
     """The OS hands a finished thread's ident to the next thread it starts: a reading is the thread's, not the
     ident's, or a new thread would export a dead thread's old pointer and shape."""

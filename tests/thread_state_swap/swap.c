@@ -1,0 +1,40 @@
+/* A test helper: calls a Python callable under a thread state made for the call, on the calling OS thread, as a
+ * C thread does that takes the GIL with a new PyGILState_Ensure for each call (its state made and deleted each
+ * time). The caller's own state is detached meanwhile and attached again after. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static PyObject *call_in_new_thread_state(PyObject *module, PyObject *callable)
+{
+    (void)module;
+    PyInterpreterState *interpreter = PyThreadState_GetInterpreter(PyThreadState_Get());
+    PyThreadState *caller = PyEval_SaveThread();
+    PyThreadState *made = PyThreadState_New(interpreter);
+    PyEval_RestoreThread(made);
+    PyObject *result = PyObject_CallNoArgs(callable);
+    /* The error goes back with the caller's state. */
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *raised = PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+#endif
+    PyThreadState_Clear(made);
+    PyThreadState_DeleteCurrent();
+    PyEval_RestoreThread(caller);
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(raised);
+#else
+    PyErr_Restore(type, value, traceback);
+#endif
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"call_in_new_thread_state", call_in_new_thread_state, METH_O, "callable() under a thread state made for it"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef definition = {PyModuleDef_HEAD_INIT, "thread_state_swap", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_thread_state_swap(void) { return PyModule_Create(&definition); }
