@@ -274,7 +274,8 @@ def run(out_folder):
     with open(os.path.join(dumps, "runtime_calls.txt")) as made:
         calls = [line.rstrip("\n").split("\t") for line in made]
     shutil.rmtree(dumps, ignore_errors=True)
-    return {"rows": results, "reference": measured[REFERENCE][1], "calls": calls, "iterations": ITERATIONS}
+    return {"rows": results, "reference": measured[REFERENCE][1], "calls": calls, "iterations": ITERATIONS,
+            "fixed_layout": bool(fixed_layout)}
 
 
 def markdown(report):

@@ -118,7 +118,9 @@ def write_instructions(folder):
             f"Each case is a statement run in loops of {report['iterations']:,} and {2 * report['iterations']:,} "
             "iterations under callgrind, counting only the loops; per call is the difference over "
             f"{report['iterations']:,}, less an empty loop's iteration. Counts do not depend on the machine's load, "
-            "so they compare builds; they do not say how long a call takes.", "",
+            "so they compare builds; they do not say how long a call takes. Address-space randomization was "
+            + ("off (setarch): two runs of one installed build count the same." if report.get("fixed_layout") else
+               "on (setarch could not turn it off here): rows move by up to a few dozen between runs."), "",
             instructions.markdown(report)]
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "instructions.md"), "w") as out:

@@ -79,3 +79,33 @@ def test_the_readme_names_the_machines_as_the_committed_runs_reported_them():
     gpu = pathlib.Path(COMMITTED, "gpu.md").read_text()
     device = re.search(r"^GPU: ([^;]+);", gpu, re.MULTILINE).group(1)
     assert f"On a GPU (one {device}," in readme, device
+
+
+def load_instructions():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cdl_instructions_bench",
+                                                  os.path.join(ROOT, "benchmarks", "instructions.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_instruction_counts_run_with_randomization_on_where_setarch_is_missing_or_refused(tmp_path, monkeypatch,
+                                                                                         capfd):
+    """benchmarks/instructions.py turns address-space randomization off only where setarch can: without setarch,
+    or where it fails (a container's seccomp profile may refuse the personality call), the run goes on with it on,
+    and the refusal prints nothing."""
+    instructions = load_instructions()
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert instructions.fixed_layout_prefix() == []
+    refusing = tmp_path / "setarch"
+    refusing.write_text("#!/bin/sh\necho 'setarch: failed to set personality: Operation not permitted' >&2\nexit 1\n")
+    refusing.chmod(0o755)
+    capfd.readouterr()
+    assert instructions.fixed_layout_prefix() == []
+    assert capfd.readouterr() == ("", "")
+    accepting = tmp_path / "setarch"
+    accepting.write_text('#!/bin/sh\nshift 2\nexec "$@"\n')
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    assert instructions.fixed_layout_prefix()[0] == "setarch"
