@@ -1089,11 +1089,11 @@ cdl_export_shared(const cdl_array *arr, PyObject *owner, PyObject *keepalive, in
 {
     if (cdl_order_streams(arr, consumer) < 0)
         return NULL;
-    /* Memory no CUDA stream reads (the host's, a device type CUDA does not know) is released at once: the release
-     * point cdl_release_point_for_drop would give it says so, and is not made. */
+    /* Host memory is released at once: the release point cdl_release_point_for_drop would give it says so, and is
+     * not made (one comparison; any other type is asked, and the point says what it is). */
     cdl_release_point point;
     const cdl_release_point *release_at = NULL;
-    if (cdl_device_accessible(arr->device.device_type)) {
+    if (arr->device.device_type != kDLCPU) {
         cdl_release_point_for_drop(&point, consumer, arr);
         release_at = &point;
     }
