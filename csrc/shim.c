@@ -9,15 +9,24 @@ struct cdl_shim_reading {
     unsigned long long thread; /* cdl_shim_thread() of the thread that read it */
 };
 
-/* Who is converting, as the shim's handoff tells threads apart: the unique id of the calling thread's Python thread
- * state (PyThreadState_GetID), which its interpreter never gives twice, where an OS thread's ident is reused once
- * it exits. A shim is an object of one interpreter, so its handoffs compare ids of that one. A thread that gets a
- * new thread state between the two calls (a C thread's second PyGILState_Ensure) only reads afresh. Two calls
- * into the interpreter where the process-wide serial (cdl_thread_serial) asks __tls_get_addr: 20 instructions a
- * conversion less (callgrind), with no static TLS a crowded process may lack. */
+/* The main interpreter, asked once (at the type's init): the interpreter whose thread states' ids tell its threads
+ * apart below. */
+static PyInterpreterState *cdl_main_interpreter;
+
+/* Who is converting, as the shim's handoff tells threads apart. In the main interpreter: the unique id of the
+ * calling thread's Python thread state (PyThreadState_GetID), which that interpreter never gives twice, where an OS
+ * thread's ident is reused once it exits; a thread that gets a new state between the two calls (a C thread's second
+ * PyGILState_Ensure) only reads afresh. Every interpreter counts its ids from 1, and this single-phase module, its
+ * shims with it, is shared with legacy subinterpreters: there, the process-wide serial (cdl_thread_serial), with
+ * the top bit set so that it is never an id (and leaves no host mark: see below). In the main interpreter, two
+ * calls into the interpreter where the serial asks __tls_get_addr (callgrind: fewer instructions a conversion), with
+ * no static TLS a crowded process may lack. */
 static inline unsigned long long cdl_shim_thread(void)
 {
-    return (unsigned long long)PyThreadState_GetID(PyThreadState_Get());
+    PyThreadState *state = PyThreadState_Get();
+    if (PyThreadState_GetInterpreter(state) == cdl_main_interpreter)
+        return (unsigned long long)PyThreadState_GetID(state);
+    return cdl_thread_serial() | (1ULL << 63);
 }
 
 /* The shim's pending slot holds a reading, or a mark: a thread's cdl_shim_thread(), shifted, with the low bit set (no reading
@@ -326,6 +335,7 @@ PyTypeObject cdl_shim_type = {
 
 int cdl_shim_type_init(void)
 {
+    cdl_main_interpreter = PyInterpreterState_Main();
     cdl_host_device = Py_BuildValue("(ii)", (int)kDLCPU, 0);
     if (cdl_host_device == NULL)
         return -1;

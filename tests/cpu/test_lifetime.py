@@ -16,6 +16,7 @@ from cai_dlpack import CudaError, DLPackShim, cai2dlpack, dlpack2cai
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE
 from support.dlpack_ctypes import DLManagedTensorVersioned, MadeTensor, _api
+from support.fresh_process import LEGACY_SUBINTERPRETER
 from support.optional import TORCH_MISSING, needs_torch, torch
 
 
@@ -306,19 +307,6 @@ def test_deleter_called_from_an_isolated_subinterpreter_frees_in_the_owners_inte
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["after", "after", "released", "released"]
 
-
-# A script's lines that make a legacy subinterpreter (it shares the main GIL, so this single-phase module loads
-# there): `interp`, and `run(code)`, which returns an error or None.
-LEGACY_SUBINTERPRETER = """
-try:
-    import _interpreters as interpreters                   # 3.13+
-    interp = interpreters.create("legacy")
-    run = lambda code: interpreters.exec(interp, code)
-except ImportError:
-    import _xxsubinterpreters as interpreters              # 3.11, 3.12 (3.11's "isolated" forbids threads)
-    interp = interpreters.create(isolated=False)
-    run = lambda code: interpreters.run_string(interp, code)
-"""
 
 # A script's lines after LEGACY_SUBINTERPRETER's: a tensor made in the subinterpreter and consumed there, its
 # deleter's and tensor's addresses in `deleter`, `address`, and a hook that keeps unraisable notes in `notes`.

@@ -3,6 +3,8 @@ wrapped object's interface once and asks the runtime where its pointer lives onc
 read is used by the next __dlpack__ of the same shim on the same thread only; every other call reads
 afresh, so a wrapped object that changes between conversions is seen as it is now."""
 import sys
+import sysconfig
+import textwrap
 import threading
 
 import numpy as np
@@ -12,6 +14,7 @@ from cai_dlpack import DLPackShim, dlpack2cai
 from support import c_example
 from support.cai_objects import register
 from support.cuda_double import DEVICE
+from support.fresh_process import LEGACY_SUBINTERPRETER, run_with_double
 
 
 class CountingCai:
@@ -103,9 +106,10 @@ def test_another_threads_dlpack_reads_afresh(cudart, device_arrays):
 
 
 def test_a_new_thread_state_on_the_same_os_thread_reads_afresh(cudart, device_arrays):
-    """A reading is its Python thread state's: a C thread that takes the GIL under a new state for each call (a
-    PyGILState_Ensure per call) is, to the shim, a new thread each time, so its __dlpack__ reads afresh. The
-    state's id is never given twice, so no state takes another's reading, nor its host mark."""
+    """A reading is its Python thread state's: a call made under a new thread state on the same OS thread (an
+    embedder's PyThreadState_New, or a C thread's PyGILState_Ensure for each call) is, to the shim, a new thread,
+    so its __dlpack__ reads afresh. The main interpreter never gives a state's id twice, so no state takes another's
+    reading, nor its host mark."""
     swap = c_example.build_thread_state_swap()
     producer = CountingCai(device_arrays[0])
     shim = DLPackShim(producer)
@@ -123,6 +127,75 @@ def test_a_new_thread_state_on_the_same_os_thread_reads_afresh(cudart, device_ar
     assert switching.cai_lookups == 2  # this state asked for the CUDA interface itself
     with pytest.raises(ZeroDivisionError):  # the helper's own check: an error comes back to the caller
         swap.call_in_new_thread_state(lambda: 1 / 0)
+
+
+@pytest.mark.skipif(bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
+                    reason="a free-threaded CPython loads no single-phase module (ours) in any subinterpreter")
+def test_a_legacy_subinterpreters_thread_with_the_same_state_id_reads_afresh(cudart):
+    """Every interpreter numbers its thread states from 1, and a legacy subinterpreter can reach a shim of the main
+    one (this module is single-phase): a subinterpreter thread whose state has the id of the main thread that read
+    the device does not take that reading (a freed array's pointer and shape), nor a host mark."""
+    words = run_with_double(LEGACY_SUBINTERPRETER + textwrap.dedent("""
+        import ctypes, threading
+        from cai_dlpack import DLPackShim
+        ctypes.pythonapi.PyThreadState_Get.restype = ctypes.c_void_p
+        ctypes.pythonapi.PyThreadState_GetID.restype = ctypes.c_uint64
+        ctypes.pythonapi.PyThreadState_GetID.argtypes = [ctypes.c_void_p]
+        state_id = lambda: ctypes.pythonapi.PyThreadState_GetID(ctypes.pythonapi.PyThreadState_Get())
+
+        class Counting:  # asks nothing of NumPy when read (NumPy does not load in a subinterpreter)
+            def __init__(self, array):
+                self.array, self.reads = array, 0
+
+            @property
+            def array(self):
+                return self._array
+
+            @array.setter
+            def array(self, array):
+                self._array, self._interface = array, (array.shape, array.ctypes.data)
+
+            @property
+            def __cuda_array_interface__(self):
+                self.reads += 1
+                shape, pointer = self._interface
+                return {"shape": shape, "typestr": "<f4", "strides": None, "version": 3, "data": (pointer, False),
+                        "stream": None}
+
+        first, second = np.arange(12, dtype=np.float32), np.arange(20, dtype=np.float32)
+        register(double, first, DEVICE)
+        register(double, second, DEVICE)
+        producer = Counting(first.reshape(3, 4))
+        shim = DLPackShim(producer)
+        for _ in range(40):  # the main interpreter's ids run ahead of the subinterpreter's
+            threading.Thread(target=lambda: None).start()
+        reader = []
+        thread = threading.Thread(target=lambda: (reader.append(state_id()), shim.__dlpack_device__()))
+        thread.start()
+        thread.join()
+        producer.array = second.reshape(4, 5)
+        found = []
+        code = "\\n".join([
+            "import ctypes, threading",
+            "from cai_dlpack import dlpack2cai",
+            "ctypes.pythonapi.PyThreadState_Get.restype = ctypes.c_void_p",
+            "ctypes.pythonapi.PyThreadState_GetID.restype = ctypes.c_uint64",
+            "ctypes.pythonapi.PyThreadState_GetID.argtypes = [ctypes.c_void_p]",
+            f"shim = ctypes.cast({id(shim)}, ctypes.py_object).value",
+            "def convert_if_the_same_id():",
+            f"    if ctypes.pythonapi.PyThreadState_GetID(ctypes.pythonapi.PyThreadState_Get()) == {reader[0]}:",
+            "        print('same-id', *dlpack2cai(shim.__dlpack__(max_version=(1, 0))).shape, flush=True)",
+            "for _ in range(200):",
+            "    worker = threading.Thread(target=convert_if_the_same_id)",
+            "    worker.start()",
+            "    worker.join()"])
+        runner = threading.Thread(target=lambda: found.append(run(code)))
+        runner.start()
+        runner.join()
+        print(found, producer.reads, flush=True)
+        os._exit(0)  # (the subinterpreter is not destroyed: its end is not what this test is about)
+    """))
+    assert words == ["same-id", "4", "5", "[None]", "2"]
 
 
 def test_a_new_thread_with_a_dead_threads_ident_reads_afresh(cudart, device_arrays):

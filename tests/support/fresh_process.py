@@ -34,3 +34,17 @@ def live_tracebacks():
 
     gc.collect()
     return sum(isinstance(o, types.TracebackType) for o in gc.get_objects())
+
+
+# A script's lines that make a legacy subinterpreter (it shares the main GIL, so this single-phase module loads
+# there): `interp`, and `run(code)`, which returns an error or None.
+LEGACY_SUBINTERPRETER = """
+try:
+    import _interpreters as interpreters                   # 3.13+
+    interp = interpreters.create("legacy")
+    run = lambda code: interpreters.exec(interp, code)
+except ImportError:
+    import _xxsubinterpreters as interpreters              # 3.11, 3.12 (3.11's "isolated" forbids threads)
+    interp = interpreters.create(isolated=False)
+    run = lambda code: interpreters.run_string(interp, code)
+"""

@@ -1,6 +1,7 @@
-/* A test helper: calls a Python callable under a thread state made for the call, on the calling OS thread, as a
- * C thread does that takes the GIL with a new PyGILState_Ensure for each call (its state made and deleted each
- * time). The caller's own state is detached meanwhile and attached again after. */
+/* A test helper: calls a Python callable under a thread state made for the call, on the calling OS thread (an
+ * embedder's PyThreadState_New and swap). The caller's own state is detached meanwhile and attached again after.
+ * The OS thread's GIL-state record still names the caller's state: nothing the callable runs may call
+ * PyGILState_Ensure (it would wait for that detached state), so the callable converts without copies or waits. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -37,4 +38,15 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef definition = {PyModuleDef_HEAD_INIT, "thread_state_swap", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit_thread_state_swap(void) { return PyModule_Create(&definition); }
+PyMODINIT_FUNC PyInit_thread_state_swap(void)
+{
+    PyObject *module = PyModule_Create(&definition);
+#ifdef Py_GIL_DISABLED
+    /* Nothing here needs the GIL: a free-threaded run keeps it off. */
+    if (module != NULL && PyUnstable_Module_SetGIL(module, Py_MOD_GIL_NOT_USED) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+#endif
+    return module;
+}
