@@ -2,42 +2,22 @@
  * protocol, reading the wrapped object's interface once per conversion. */
 #include "cdl_internal.h"
 
-/* What __dlpack_device__ read, for the next __dlpack__ of the same shim on the same thread (state). */
+/* What __dlpack_device__ read, for the next __dlpack__ of the same shim on the same thread. */
 struct cdl_shim_reading {
     cdl_array arr;
     PyObject *keepalive;
-    unsigned long long thread; /* cdl_shim_thread() of the thread that read it */
+    unsigned long long thread; /* the serial of the thread that read it (an ident is reused after exit) */
 };
 
-/* The main interpreter, asked once (at the type's init): the interpreter whose thread states' ids tell its threads
- * apart below. */
-static PyInterpreterState *cdl_main_interpreter;
-
-/* Who is converting, as the shim's handoff tells threads apart. In the main interpreter: the unique id of the
- * calling thread's Python thread state (PyThreadState_GetID), which that interpreter never gives twice, where an OS
- * thread's ident is reused once it exits; a thread that gets a new state between the two calls (a C thread's second
- * PyGILState_Ensure) only reads afresh. Every interpreter counts its ids from 1, and this single-phase module, its
- * shims with it, is shared with legacy subinterpreters: there, the process-wide serial (cdl_thread_serial), with
- * the top bit set so that it is never an id (and leaves no host mark: see below). In the main interpreter, two
- * calls into the interpreter where the serial asks __tls_get_addr (callgrind: fewer instructions a conversion), with
- * no static TLS a crowded process may lack. */
-static inline unsigned long long cdl_shim_thread(void)
-{
-    PyThreadState *state = PyThreadState_Get();
-    if (PyThreadState_GetInterpreter(state) == cdl_main_interpreter)
-        return (unsigned long long)PyThreadState_GetID(state);
-    return cdl_thread_serial() | (1ULL << 63);
-}
-
-/* The shim's pending slot holds a reading, or a mark: a thread's cdl_shim_thread(), shifted, with the low bit set (no reading
+/* The shim's pending slot holds a reading, or a mark: a thread's serial, shifted, with the low bit set (no reading
  * is at an odd address), left by a __dlpack_device__ that found no CUDA interface but an array interface, so
  * that the __dlpack__ after it does not ask for the CUDA interface again (a failed attribute lookup, a sixth
- * of such a conversion's own cost). NULL where an id does not fit (a 32-bit build's four billionth thread state). */
-static cdl_shim_reading *cdl_host_mark(unsigned long long thread)
+ * of such a conversion's own cost). NULL where a serial does not fit (a 32-bit build's four billionth thread). */
+static cdl_shim_reading *cdl_host_mark(unsigned long long serial)
 {
-    if (thread > UINTPTR_MAX >> 1)
+    if (serial > UINTPTR_MAX >> 1)
         return NULL;
-    return (cdl_shim_reading *)(((uintptr_t)thread << 1) | 1);
+    return (cdl_shim_reading *)(((uintptr_t)serial << 1) | 1);
 }
 
 static int cdl_is_host_mark(const cdl_shim_reading *reading) { return ((uintptr_t)reading & 1) != 0; }
@@ -201,10 +181,10 @@ static PyObject *cdl_shim_dlpack(cdl_shim *self, PyObject *const *args, Py_ssize
     cdl_shim_reading *reading = cdl_shim_take_reading(self);
     int cai_absent = 0;
     if (cdl_is_host_mark(reading)) {
-        cai_absent = reading == cdl_host_mark(cdl_shim_thread());
+        cai_absent = reading == cdl_host_mark(cdl_thread_serial());
         reading = NULL;
     }
-    else if (reading != NULL && reading->thread != cdl_shim_thread()) {
+    else if (reading != NULL && reading->thread != cdl_thread_serial()) {
         cdl_reading_free(reading); /* another thread's half conversion: read afresh */
         reading = NULL;
     }
@@ -254,7 +234,7 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
         if (host) {
             /* The __dlpack__ after this one on this thread reads the array interface without asking for the
              * CUDA one again: the device said is the memory exported. */
-            cdl_shim_leave_reading(self, cdl_host_mark(cdl_shim_thread()));
+            cdl_shim_leave_reading(self, cdl_host_mark(cdl_thread_serial()));
             return Py_NewRef(cdl_host_device);
         }
         /* Neither (or one just made): the reader decides, and says why in its own words. */
@@ -280,7 +260,7 @@ static PyObject *cdl_shim_dlpack_device(cdl_shim *self, PyObject *unused)
         cdl_reading_free(reading);
         return NULL;
     }
-    reading->thread = cdl_shim_thread();
+    reading->thread = cdl_thread_serial();
     cdl_shim_leave_reading(self, reading);
     return device;
 }
@@ -335,7 +315,6 @@ PyTypeObject cdl_shim_type = {
 
 int cdl_shim_type_init(void)
 {
-    cdl_main_interpreter = PyInterpreterState_Main();
     cdl_host_device = Py_BuildValue("(ii)", (int)kDLCPU, 0);
     if (cdl_host_device == NULL)
         return -1;

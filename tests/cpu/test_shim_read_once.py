@@ -105,36 +105,13 @@ def test_another_threads_dlpack_reads_afresh(cudart, device_arrays):
     assert producer.reads == 3
 
 
-def test_a_new_thread_state_on_the_same_os_thread_reads_afresh(cudart, device_arrays):
-    """A reading is its Python thread state's: a call made under a new thread state on the same OS thread (an
-    embedder's PyThreadState_New, or a C thread's PyGILState_Ensure for each call) is, to the shim, a new thread,
-    so its __dlpack__ reads afresh. The main interpreter never gives a state's id twice, so no state takes another's
-    reading, nor its host mark."""
-    swap = c_example.build_thread_state_swap()
-    producer = CountingCai(device_arrays[0])
-    shim = DLPackShim(producer)
-    shim.__dlpack_device__()
-    producer.array = device_arrays[1]
-    view = swap.call_in_new_thread_state(lambda: dlpack2cai(shim.__dlpack__(max_version=(1, 0))))
-    assert view.shape == (4, 5) and producer.reads == 2
-    swap.call_in_new_thread_state(shim.__dlpack_device__)  # a reading of that state's own, then the state goes
-    assert dlpack2cai(shim.__dlpack__(max_version=(1, 0))).shape == (4, 5) and producer.reads == 4
-    host = np.arange(6.0)
-    switching = Switching(host)
-    shim = DLPackShim(switching)
-    assert swap.call_in_new_thread_state(shim.__dlpack_device__) == (1, 0)
-    assert exported_pointer(shim.__dlpack__(max_version=(1, 0))) == ("__array_interface__", host.ctypes.data)
-    assert switching.cai_lookups == 2  # this state asked for the CUDA interface itself
-    with pytest.raises(ZeroDivisionError):  # the helper's own check: an error comes back to the caller
-        swap.call_in_new_thread_state(lambda: 1 / 0)
-
-
 @pytest.mark.skipif(bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
                     reason="a free-threaded CPython loads no single-phase module (ours) in any subinterpreter")
 def test_a_legacy_subinterpreters_thread_with_the_same_state_id_reads_afresh(cudart):
-    """Every interpreter numbers its thread states from 1, and a legacy subinterpreter can reach a shim of the main
-    one (this module is single-phase): a subinterpreter thread whose state has the id of the main thread that read
-    the device does not take that reading (a freed array's pointer and shape), nor a host mark."""
+    """A legacy subinterpreter can reach a shim of the main interpreter (this module is single-phase), and every
+    interpreter numbers its thread states from 1: a reading is told apart by the process-wide thread serial, so a
+    subinterpreter thread whose state has the id of the main thread that read the device does not take that reading
+    (a freed array's pointer and shape), as a tag by thread-state id would (the second review of 1228022)."""
     words = run_with_double(LEGACY_SUBINTERPRETER + textwrap.dedent("""
         import ctypes, threading
         from cai_dlpack import DLPackShim

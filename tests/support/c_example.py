@@ -1,8 +1,7 @@
 """Builds and imports the tests' C extensions the way a user's extension is built: against the installed
 package (cai_dlpack.get_include() and Python's headers), never against this source tree.
 tests/c_api_example/example.c uses cai_dlpack's C API; tests/exchange_producer/producer.c is a producer
-that publishes the DLPack C exchange API; tests/buffer_exporter/exporter.c exports a buffer in any format; tests/thread_state_swap/swap.c calls Python under a
-thread state made for the call."""
+that publishes the DLPack C exchange API; tests/buffer_exporter/exporter.c exports a buffer in any format."""
 import atexit
 import importlib.util
 import os
@@ -17,7 +16,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, os.pardir, "c_api_example", "example.c")
 PRODUCER = os.path.join(HERE, os.pardir, "exchange_producer", "producer.c")
 EXPORTER = os.path.join(HERE, os.pardir, "buffer_exporter", "exporter.c")
-THREAD_STATE_SWAP = os.path.join(HERE, os.pardir, "thread_state_swap", "swap.c")
 
 
 def build(source=SOURCE, name="cai_dlpack_example"):
@@ -41,7 +39,3 @@ def build_producer():
 
 def build_buffer_exporter():
     return build(EXPORTER, "buffer_exporter")
-
-
-def build_thread_state_swap():
-    return build(THREAD_STATE_SWAP, "thread_state_swap")
