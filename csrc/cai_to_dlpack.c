@@ -1039,8 +1039,8 @@ int cdl_array_from_host_object(PyObject *obj, const DLDataType *requested, cdl_a
 
 /* ---- export -------------------------------------------------------------------------------------- */
 
-/* max_version: None (legacy capsule) or a (major, minor) tuple; sets *versioned. */
-static int cdl_parse_max_version(PyObject *max_version, int *versioned)
+/* max_version: None (legacy capsule) or a (major, minor) tuple; sets *versioned. The general read, out of line. */
+static __attribute__((noinline)) int cdl_parse_max_version_general(PyObject *max_version, int *versioned)
 {
     *versioned = 0;
     if (max_version == NULL || max_version == Py_None)
@@ -1059,6 +1059,20 @@ static int cdl_parse_max_version(PyObject *max_version, int *versioned)
     }
     *versioned = major >= 1;
     return 0;
+}
+
+/* The same, with torch's (1, 0) read inline: an exact pair whose major is a one-digit int and whose minor is an
+ * exact int; anything else (None, a bool, a big int, a list, a subclass) by the general read. */
+static inline __attribute__((always_inline)) int cdl_parse_max_version(PyObject *max_version, int *versioned)
+{
+    int64_t major;
+    if (max_version != NULL && PyTuple_CheckExact(max_version) && PyTuple_GET_SIZE(max_version) == 2 &&
+        PyLong_CheckExact(PyTuple_GET_ITEM(max_version, 1)) &&
+        cdl_compact_int(PyTuple_GET_ITEM(max_version, 0), &major)) {
+        *versioned = major >= 1;
+        return 0;
+    }
+    return cdl_parse_max_version_general(max_version, versioned);
 }
 
 /* dl_device: None (the data's own device) or a (device_type, device_id) pair, into *target. */
@@ -1172,13 +1186,7 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
     if (stream == NULL && dl_device == NULL && copy == NULL) {
         /* No keyword but max_version (torch's call for host memory): the legacy stream, the data where it is. */
         int versioned = 0;
-        int64_t major;
-        /* torch's (1, 0), read inline; anything else (a bool, a big int, a list) by the general parse. */
-        if (max_version != NULL && PyTuple_CheckExact(max_version) && PyTuple_GET_SIZE(max_version) == 2 &&
-            PyLong_CheckExact(PyTuple_GET_ITEM(max_version, 1)) &&
-            cdl_compact_int(PyTuple_GET_ITEM(max_version, 0), &major))
-            versioned = major >= 1;
-        else if (max_version != NULL && cdl_parse_max_version(max_version, &versioned) < 0)
+        if (max_version != NULL && cdl_parse_max_version(max_version, &versioned) < 0)
             return NULL;
         if (arr->read_only && !versioned)
             return cdl_refuse_read_only_legacy();
