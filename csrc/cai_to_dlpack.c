@@ -349,23 +349,11 @@ static inline int cdl_extent_readable(const cdl_array *out, int64_t itemsize)
     }
 }
 
-/* The keys the fused reader takes, in the order CuPy's ndarray builds its dict (cupy/_core/core.pyx): each key is
- * first compared with the one that follows the last found in that order, one comparison per key for CuPy's dicts,
- * then with the others. (The descr is found only to be passed over: a typestr alone names the type here.) */
+/* The slots of the keys the fused reader takes, as cdl_name.fresh_keys orders them (CuPy's order): each key is
+ * first compared with the one that follows the last found, one comparison per key for CuPy's dicts, then with
+ * the others. (The descr is found only to be passed over: a typestr alone names the type here.) */
 enum { CDL_FRESH_SHAPE, CDL_FRESH_TYPESTR, CDL_FRESH_DESCR, CDL_FRESH_STREAM, CDL_FRESH_VERSION, CDL_FRESH_STRIDES,
        CDL_FRESH_DATA, CDL_FRESH_KEYS };
-
-static const size_t cdl_fresh_key_offsets[CDL_FRESH_KEYS] = {
-    offsetof(cdl_names, shape),   offsetof(cdl_names, typestr), offsetof(cdl_names, descr),
-    offsetof(cdl_names, stream),  offsetof(cdl_names, version), offsetof(cdl_names, strides),
-    offsetof(cdl_names, data),
-};
-
-/* The interned name of a slot above. */
-static inline PyObject *cdl_fresh_key_name(int slot)
-{
-    return *(PyObject *const *)((const char *)&cdl_name + cdl_fresh_key_offsets[slot]);
-}
 
 /* The fused reader of a dict only this call holds (a producer's property builds one on each access, as CuPy,
  * Numba, PyTorch and RMM do), no dtype= asked: what the general reader below does for the common shapes of
@@ -378,15 +366,16 @@ static inline PyObject *cdl_fresh_key_name(int slot)
 static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *out)
 {
     PyObject *found[CDL_FRESH_KEYS] = {NULL};
+    PyObject *const *const names = cdl_name.fresh_keys; /* NULL after the last: a key is never NULL */
     Py_ssize_t position = 0, left = PyDict_GET_SIZE(iface);
     PyObject *key, *value;
     int next = 0; /* the slot whose name is expected next: the one after the last found, as CuPy orders them */
     /* Stops at the last entry: the call that would only say so is not made. */
     while (left-- > 0 && PyDict_Next(iface, &position, &key, &value)) {
         int slot = next;
-        if (slot == CDL_FRESH_KEYS || key != cdl_fresh_key_name(slot)) {
+        if (key != names[slot]) {
             slot = 0;
-            while (slot < CDL_FRESH_KEYS && key != cdl_fresh_key_name(slot))
+            while (slot < CDL_FRESH_KEYS && key != names[slot])
                 slot++;
             if (slot == CDL_FRESH_KEYS) {
                 if (key == cdl_name.mask ? value != Py_None : key != cdl_name.offset)

@@ -177,6 +177,9 @@ typedef struct {
     PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream, *trust_streams, *dtype, *name, *cuda_stream, *obj;
     PyObject *exchange_api, *exchange_api_address; /* DLPack 1.3's capsule and 1.2's int on a type */
     PyObject *requires_grad, *is_conj, *is_neg;     /* what torch's __dlpack__ checks and its table does not */
+    /* The keys the fused dict reader takes (cai_to_dlpack.c), in the order CuPy's ndarray builds its dict, then
+     * NULL, which no key is: shape, typestr, descr, stream, version, strides, data. */
+    PyObject *fresh_keys[8];
 } cdl_names;
 extern cdl_names cdl_name;
 /* cai_dlpack.UnsupportedArrayError (a BufferError and a ValueError): valid data that DLPack, or an array

@@ -3,6 +3,8 @@
  * other. Uses no other csrc/ file. */
 #include "cdl_internal.h"
 
+#include <string.h>
+
 cdl_names cdl_name;
 PyObject *cdl_UnsupportedError;
 
@@ -47,6 +49,9 @@ int cdl_names_init(void)
         if (*table[i].slot == NULL)
             return -1;
     }
+    PyObject *const fresh_keys[] = {cdl_name.shape,   cdl_name.typestr, cdl_name.descr, cdl_name.stream,
+                                    cdl_name.version, cdl_name.strides, cdl_name.data,  NULL};
+    memcpy(cdl_name.fresh_keys, fresh_keys, sizeof(fresh_keys));
     /* A BufferError, as the array API asks of __dlpack__ for data DLPack cannot describe (consumers fall
      * back on it), and a ValueError, as such data was refused before. */
     PyObject *bases = PyTuple_Pack(2, PyExc_BufferError, PyExc_ValueError);
