@@ -303,13 +303,7 @@ static void cdl_capsule_destructor(PyObject *capsule)
     const char *name = PyCapsule_GetName(capsule);
     if (name != cdl_capsule_name_legacy && name != cdl_capsule_name_versioned)
         return;
-    /* The tensor, as cdl_capsule_new left it in the context too: read from there, the name not compared again
-     * (PyCapsule_GetPointer compares it by strcmp: 43 instructions, callgrind). A context some other C code
-     * cleared leaves the pointer to be read as before. */
-    void *pointer = PyCapsule_GetContext(capsule);
-    if (pointer == NULL)
-        pointer = PyCapsule_GetPointer(capsule, name);
-    cdl_managed managed = {pointer, name == cdl_capsule_name_versioned};
+    cdl_managed managed = {PyCapsule_GetPointer(capsule, name), name == cdl_capsule_name_versioned};
     if (managed.pointer == NULL) {
         PyErr_WriteUnraisable(capsule);
         return;
@@ -327,18 +321,6 @@ static void cdl_capsule_destructor(PyObject *capsule)
     cdl_managed_delete(&managed);
 }
 
-/* A capsule of ours holding the tensor, whose pointer is also the capsule's context (for the destructor above),
- * or NULL with an exception set (the tensor is then still the caller's). */
-static PyObject *cdl_capsule_new(cdl_managed managed)
-{
-    PyObject *capsule = PyCapsule_New(managed.pointer, managed.versioned ? cdl_capsule_name_versioned
-                                                                         : cdl_capsule_name_legacy,
-                                      cdl_capsule_destructor);
-    if (capsule != NULL)
-        (void)PyCapsule_SetContext(capsule, managed.pointer); /* fails only for a capsule without a pointer */
-    return capsule;
-}
-
 PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject *keepalive, int versioned,
                                  const cdl_release_point *release_at)
 {
@@ -347,7 +329,8 @@ PyObject *cdl_capsule_from_array(const cdl_array *arr, PyObject *owner, PyObject
         return NULL;
     if (release_at != NULL && release_at->stream != 0)
         cdl_managed_order_release(managed, release_at, 0);
-    PyObject *capsule = cdl_capsule_new(managed);
+    PyObject *capsule = PyCapsule_New(managed.pointer, versioned ? cdl_capsule_name_versioned : cdl_capsule_name_legacy,
+                                      cdl_capsule_destructor);
     if (capsule == NULL)
         cdl_managed_delete(&managed);
     return capsule;
@@ -369,7 +352,8 @@ PyObject *cdl_capsule_owning_data(const cdl_array *arr, cdl_data_release release
     block->release_data = release_data;
     block->owned_data = arr->data;
     block->owned_device = arr->device;
-    PyObject *capsule = cdl_capsule_new(managed);
+    PyObject *capsule = PyCapsule_New(managed.pointer, versioned ? cdl_capsule_name_versioned : cdl_capsule_name_legacy,
+                                      cdl_capsule_destructor);
     if (capsule == NULL)
         cdl_managed_delete(&managed);
     return capsule;

@@ -355,19 +355,6 @@ def test_device_copy_freed_once_by_its_consumer(cudart):
     assert freed(cudart.log()) == 1
 
 
-def test_device_copy_dropped_unconsumed_with_its_capsules_context_cleared_is_freed_once(cudart):
-    """The capsule's destructor reads the tensor from the capsule's context; where other C code cleared it, from
-    the capsule's pointer, as before: the copy's memory is freed all the same, once."""
-    source, obj = device_source(cudart, "transposed")
-    capsule = DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))
-    set_context = ctypes.pythonapi.PyCapsule_SetContext
-    set_context.restype, set_context.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_void_p]
-    assert set_context(capsule, None) == 0
-    cudart.clear_log()
-    del capsule
-    assert freed(cudart.log()) == 1
-
-
 def test_device_copy_freed_on_a_thread_without_the_gil(cudart):
     source, obj = device_source(cudart, "contiguous")
     capsule = DLPackShim(obj).__dlpack__(copy=True, max_version=(1, 0))

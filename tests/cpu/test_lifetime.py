@@ -42,52 +42,6 @@ def test_unconsumed_capsule_keeps_then_frees_owner():
     assert ref() is None
 
 
-def _capsule_context(capsule):
-    get = ctypes.pythonapi.PyCapsule_GetContext
-    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object]
-    return get(capsule)
-
-
-def _clear_capsule_context(capsule):
-    set_context = ctypes.pythonapi.PyCapsule_SetContext
-    set_context.restype, set_context.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_void_p]
-    assert set_context(capsule, None) == 0
-
-
-EXPORTS = {
-    "legacy": lambda owner: cai2dlpack(owner),
-    "versioned": lambda owner: cai2dlpack(owner, max_version=(1, 0)),
-    "a shim's": lambda owner: DLPackShim(owner).__dlpack__(max_version=(1, 0)),
-}
-
-
-@pytest.mark.parametrize("export", [*EXPORTS.values(), lambda owner: cai2dlpack(owner, copy=True)],
-                         ids=[*EXPORTS.keys(), "a copy"])
-def test_a_capsule_carries_its_tensor_as_its_context_too(export):
-    """The capsule's destructor reads the tensor from the capsule's context (no name compared again), so every
-    capsule made holds the tensor's pointer there."""
-    capsule = export(HostOwner())
-    name = _api.PyCapsule_GetName(capsule)
-    assert _capsule_context(capsule) == _api.PyCapsule_GetPointer(capsule, name) != 0
-
-
-@pytest.mark.parametrize("export", EXPORTS.values(), ids=EXPORTS.keys())
-def test_an_unconsumed_capsule_whose_context_other_code_cleared_still_frees_its_tensor(export):
-    """C code that cleared the context of a capsule of ours (it is the creator's to use) leaves the destructor
-    the capsule's pointer, read as before: the tensor and its owner are freed all the same (a copy's memory:
-    test_copy.py)."""
-    owner = HostOwner()
-    ref = weakref.ref(owner)
-    capsule = export(owner)
-    _clear_capsule_context(capsule)
-    del owner
-    gc.collect()
-    assert ref() is not None
-    del capsule
-    gc.collect()
-    assert ref() is None
-
-
 def test_view_keeps_owner_until_released():
     owner = HostOwner()
     ref = weakref.ref(owner)
