@@ -51,6 +51,7 @@ int cdl_names_init(void)
     }
     PyObject *const fresh_keys[] = {cdl_name.shape,   cdl_name.typestr, cdl_name.descr, cdl_name.stream,
                                     cdl_name.version, cdl_name.strides, cdl_name.data,  NULL};
+    _Static_assert(sizeof(fresh_keys) == sizeof(cdl_name.fresh_keys), "every slot of cdl_name.fresh_keys is set");
     memcpy(cdl_name.fresh_keys, fresh_keys, sizeof(fresh_keys));
     /* A BufferError, as the array API asks of __dlpack__ for data DLPack cannot describe (consumers fall
      * back on it), and a ValueError, as such data was refused before. */
