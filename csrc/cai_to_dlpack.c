@@ -349,14 +349,6 @@ static inline int cdl_extent_readable(const cdl_array *out, int64_t itemsize)
     }
 }
 
-/* The slots of the keys the fused reader takes, as cdl_name.fresh_keys orders them (CuPy's order): each key is
- * first compared with the one that follows the last found, one comparison per key for CuPy's dicts, then with
- * the others. (The descr is found only to be passed over: a typestr alone names the type here.) */
-enum { CDL_FRESH_SHAPE, CDL_FRESH_TYPESTR, CDL_FRESH_DESCR, CDL_FRESH_STREAM, CDL_FRESH_VERSION, CDL_FRESH_STRIDES,
-       CDL_FRESH_DATA, CDL_FRESH_KEYS };
-_Static_assert(sizeof(cdl_name.fresh_keys) / sizeof(cdl_name.fresh_keys[0]) == CDL_FRESH_KEYS + 1,
-               "cdl_name.fresh_keys holds a name for each slot and the NULL after them");
-
 /* The fused reader of a dict only this call holds (a producer's property builds one on each access, as CuPy,
  * Numba, PyTorch and RMM do), no dtype= asked: what the general reader below does for the common shapes of
  * such a dict, in one pass, with borrowed references and no critical section (no other thread can reach the

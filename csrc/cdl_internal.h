@@ -170,6 +170,11 @@ static inline int cdl_extent_fits(uintptr_t address, int64_t low, int64_t high)
 }
 
 /* names.c: the strings, argument parsing and error type every file shares ----------------------------------- */
+/* The slots of the keys the fused dict reader takes (cai_to_dlpack.c), in the order CuPy's ndarray builds its dict
+ * (cupy/_core/core.pyx): each key is first compared with the one after the last found, one comparison per key for
+ * CuPy's dicts, then with the others. (The descr is found only to be passed over: a typestr alone names the type.) */
+enum { CDL_FRESH_SHAPE, CDL_FRESH_TYPESTR, CDL_FRESH_DESCR, CDL_FRESH_STREAM, CDL_FRESH_VERSION, CDL_FRESH_STRIDES,
+       CDL_FRESH_DATA, CDL_FRESH_KEYS };
 /* Interned strings for the keys and attribute names read on hot paths. */
 typedef struct {
     PyObject *shape, *typestr, *data, *strides, *version, *mask, *stream, *offset, *descr;
@@ -177,9 +182,8 @@ typedef struct {
     PyObject *max_version, *dl_device, *copy, *owner, *sync, *export_stream, *trust_streams, *dtype, *name, *cuda_stream, *obj;
     PyObject *exchange_api, *exchange_api_address; /* DLPack 1.3's capsule and 1.2's int on a type */
     PyObject *requires_grad, *is_conj, *is_neg;     /* what torch's __dlpack__ checks and its table does not */
-    /* The keys the fused dict reader takes (cai_to_dlpack.c), in the order CuPy's ndarray builds its dict, then
-     * NULL, which no key is: shape, typestr, descr, stream, version, strides, data. */
-    PyObject *fresh_keys[8];
+    /* The fused reader's key names by the CDL_FRESH_ slots above, then NULL, which no key is. */
+    PyObject *fresh_keys[CDL_FRESH_KEYS + 1];
 } cdl_names;
 extern cdl_names cdl_name;
 /* cai_dlpack.UnsupportedArrayError (a BufferError and a ValueError): valid data that DLPack, or an array

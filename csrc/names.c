@@ -3,8 +3,6 @@
  * other. Uses no other csrc/ file. */
 #include "cdl_internal.h"
 
-#include <string.h>
-
 cdl_names cdl_name;
 PyObject *cdl_UnsupportedError;
 
@@ -49,10 +47,15 @@ int cdl_names_init(void)
         if (*table[i].slot == NULL)
             return -1;
     }
-    PyObject *const fresh_keys[] = {cdl_name.shape,   cdl_name.typestr, cdl_name.descr, cdl_name.stream,
-                                    cdl_name.version, cdl_name.strides, cdl_name.data,  NULL};
-    _Static_assert(sizeof(fresh_keys) == sizeof(cdl_name.fresh_keys), "every slot of cdl_name.fresh_keys is set");
-    memcpy(cdl_name.fresh_keys, fresh_keys, sizeof(fresh_keys));
+    PyObject **const fresh = cdl_name.fresh_keys;
+    fresh[CDL_FRESH_SHAPE] = cdl_name.shape;
+    fresh[CDL_FRESH_TYPESTR] = cdl_name.typestr;
+    fresh[CDL_FRESH_DESCR] = cdl_name.descr;
+    fresh[CDL_FRESH_STREAM] = cdl_name.stream;
+    fresh[CDL_FRESH_VERSION] = cdl_name.version;
+    fresh[CDL_FRESH_STRIDES] = cdl_name.strides;
+    fresh[CDL_FRESH_DATA] = cdl_name.data;
+    fresh[CDL_FRESH_KEYS] = NULL;
     /* A BufferError, as the array API asks of __dlpack__ for data DLPack cannot describe (consumers fall
      * back on it), and a ValueError, as such data was refused before. */
     PyObject *bases = PyTuple_Pack(2, PyExc_BufferError, PyExc_ValueError);
