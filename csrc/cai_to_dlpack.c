@@ -349,14 +349,15 @@ static inline int cdl_extent_readable(const cdl_array *out, int64_t itemsize)
     }
 }
 
-/* The fused reader of a dict only this call holds (a producer's property builds one on each access, as CuPy,
- * Numba, PyTorch and RMM do), no dtype= asked: what the general reader below does for the common shapes of
- * such a dict, in one pass, with borrowed references and no critical section (no other thread can reach the
- * dict, and nothing here runs Python code). Whatever it does not read the common way (a key that is not one
- * of our interned names, a list, a buffer, a bool where an int goes, an int of several digits, a typestr no
- * typestr alone names, a mask, strides that are not whole items, any extent problem, a NULL pointer) it leaves
- * to the general reader, which then reads the same dict afresh and raises its errors: so this path never
- * raises, and no dict reads differently through it. Returns 1 with *out filled but for the device, else 0. */
+/* The fused reader, no dtype= asked: what the general reader below does for the common shapes of an interface
+ * dict, in one pass, with borrowed references. Mostly a dict only this call holds (a producer's property builds
+ * one on each access, as CuPy, Numba, PyTorch and RMM do): no critical section, since no other thread can reach
+ * it. Of a dict held elsewhere, the caller holds the dict's critical section. Nothing here runs Python code.
+ * Whatever it does not read the common way (a key that is not one of our interned names, a list, a buffer, a
+ * bool where an int goes, an int of several digits, a typestr no typestr alone names, a mask, strides that are
+ * not whole items, any extent problem, a NULL pointer) it leaves to the general reader, which then reads the same
+ * dict afresh and raises its errors: so this path never raises, and no dict reads differently through it.
+ * Returns 1 with *out filled but for the device, else 0. */
 static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *out)
 {
     PyObject *found[CDL_FRESH_KEYS] = {NULL};
@@ -470,6 +471,19 @@ static inline void cdl_count_fused_read(void)
 #endif
 }
 
+/* _set_fused_reader(False): every dict goes to the general reader (tests compare the two readers by it). */
+static int cdl_fused_off;
+
+PyObject *cdl_set_fused_reader(PyObject *module, PyObject *enabled)
+{
+    (void)module;
+    int on = PyObject_IsTrue(enabled);
+    if (on < 0)
+        return NULL;
+    cdl_fused_off = !on;
+    Py_RETURN_NONE;
+}
+
 PyObject *cdl_fused_reads_count(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
@@ -485,13 +499,34 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
                      Py_TYPE(iface)->tp_name);
         return -1;
     }
-    /* A dict only this call holds is never kept, so the kept records are not asked about it. */
-    if (requested == NULL && Py_REFCNT(iface) == 1 && PyDict_CheckExact(iface) &&
-        cdl_read_fresh_dict(iface, source, out)) {
-        cdl_count_fused_read();
-        return cdl_set_device(out, source);
+    if (requested == NULL && PyDict_CheckExact(iface) && !cdl_fused_off) {
+        /* A dict only this call holds is never kept, so the kept records are not asked about it. */
+        if (Py_REFCNT(iface) == 1) {
+            if (cdl_read_fresh_dict(iface, source, out)) {
+                cdl_count_fused_read();
+                return cdl_set_device(out, source);
+            }
+        }
+        else {
+            /* A dict held elsewhere: its record if one is kept, else the fused reader, inside the dict's
+             * critical section (another thread may hold it; with the GIL, nothing read runs Python code), and
+             * what it read is kept as the general reader's would be (its every value is immutable and the type
+             * comes from the typestr alone). On free-threaded builds, where nothing is kept, every read is this. */
+            if (cdl_cache_find(iface, source, out))
+                return cdl_set_device(out, source);
+            const uint64_t read_version = cdl_cache_version(iface);
+            int fused;
+            CDL_BEGIN_CRITICAL_SECTION(iface);
+            fused = cdl_read_fresh_dict(iface, source, out);
+            CDL_END_CRITICAL_SECTION();
+            if (fused) {
+                cdl_cache_store(iface, source, read_version, out);
+                cdl_count_fused_read();
+                return cdl_set_device(out, source);
+            }
+        }
     }
-    if (requested == NULL && cdl_cache_find(iface, source, out))
+    else if (requested == NULL && cdl_cache_find(iface, source, out))
         return cdl_set_device(out, source);
     const uint64_t dict_version = cdl_cache_version(iface);
     /* Strong references: reading a buffer object may run Python code that changes the dict. */

@@ -535,9 +535,11 @@ int cdl_array_from_object(PyObject *obj, const DLDataType *requested, cdl_array 
 /* The same, for an object whose __cuda_array_interface__ was just found missing by the caller on this thread
  * (a shim's __dlpack_device__): its array interface (or buffer) is read without asking for the CUDA one again. */
 int cdl_array_from_host_object(PyObject *obj, const DLDataType *requested, cdl_array *out, PyObject **keepalive);
-/* _core._fused_reads(): how many interface dicts only their conversion held the fused reader has read (for tests
- * that real producers' dicts take the fast path). */
+/* _core._fused_reads(): how many interface dicts the fused reader has read (for tests that real producers' dicts
+ * take the fast path). */
 PyObject *cdl_fused_reads_count(PyObject *module, PyObject *unused);
+/* _core._set_fused_reader(enabled): off, every dict goes to the general reader (the tests' reference). */
+PyObject *cdl_set_fused_reader(PyObject *module, PyObject *enabled);
 /* The object whose buffer a keepalive of cdl_array_from_object holds (a memoryview, or a buffer hold of a native
  * array's own buffer); borrowed. */
 PyObject *cdl_keepalive_exporter(PyObject *keepalive);

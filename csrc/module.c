@@ -86,8 +86,12 @@ static PyMethodDef cdl_module_methods[] = {
      "and tests; returns _interface_cache_info()."},
     {"_fused_reads", cdl_fused_reads_count, METH_NOARGS,
      "_fused_reads($module, /)\n--\n\n"
-     "How many interface dicts only their conversion held (a property's fresh dict) were read by the fused "
-     "reader rather than the general one, since import (for tests)."},
+     "How many interface dicts (a property's fresh dict, or one held elsewhere that no kept record served) were "
+     "read by the fused reader rather than the general one, since import (for tests)."},
+    {"_set_fused_reader", cdl_set_fused_reader, METH_O,
+     "_set_fused_reader($module, enabled, /)\n--\n\n"
+     "Reads interface dicts the common way through the fused reader (True, the default) or every dict through "
+     "the general reader (False), for tests that compare the two."},
     {"_pending_releases", cdl_pending_releases, METH_NOARGS,
      "_pending_releases($module, /)\n--\n\n"
      "Makes the releases whose consumer stream has run, then returns how many still wait (pending), the bound "

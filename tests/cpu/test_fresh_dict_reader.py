@@ -70,7 +70,9 @@ def versioned(obj):
 
 def reads(iface, cudart=None, convert=versioned):
     """(whether the fused reader read iface, the outcome), after checking that the outcome is the general reader's
-    and, on the device path (cudart: the runtime double), so are the runtime calls the conversion made."""
+    (the fused reader turned off) for the dict fresh on each access and held by its object, that the fused reader
+    reads both or neither, and, on the device path (cudart: the runtime double), that the runtime calls are the
+    general reader's too."""
     fresh_type, held_type = (FreshCuda, HeldCuda) if cudart is not None else (Fresh, Held)
     calls = []
 
@@ -83,20 +85,29 @@ def reads(iface, cudart=None, convert=versioned):
             if cudart is not None:
                 calls.append(cudart.log())
 
-    _core._set_interface_cache(False)
+    def counted(producer):
+        before = _core._fused_reads()
+        result = converted(producer)
+        return _core._fused_reads() - before, result
+
+    _core._set_interface_cache(False)  # a held dict is read each time, not served by its kept record
     try:
         converted(held_type(copy.copy(iface)))  # first calls set up once (driver entry points, the event pool)
-        held = converted(held_type(copy.copy(iface)))
-        before = _core._fused_reads()
-        fresh = converted(fresh_type(iface))
-        fused = _core._fused_reads() - before
+        _core._set_fused_reader(False)
+        try:
+            general = counted(held_type(copy.copy(iface)))
+        finally:
+            _core._set_fused_reader(True)
+        fresh = counted(fresh_type(iface))
+        held = counted(held_type(copy.copy(iface)))
     finally:
         _core._set_interface_cache(True)
-    assert fused in (0, 1)
-    assert fresh == held
+    assert general[0] == 0
+    assert fresh[0] in (0, 1) and held[0] == fresh[0]
+    assert fresh[1] == general[1] and held[1] == general[1]
     if cudart is not None:
-        assert calls[1] == calls[2]
-    return fused == 1, fresh
+        assert calls[1] == calls[2] == calls[3]
+    return fresh[0] == 1, fresh[1]
 
 
 @pytest.fixture
@@ -221,10 +232,38 @@ def test_cuda_streams_it_does_not_read_go_to_the_general_reader(device, iface):
     assert reads(iface)[0]
 
 
-def test_a_dtype_asked_for_or_a_dict_held_elsewhere_is_never_the_fused_readers():
+def test_a_dtype_asked_for_is_never_the_fused_readers():
     before = _core._fused_reads()
     cai2dlpack(Fresh(cupy_shaped()), dtype="float32")
-    iface = cupy_shaped()
-    held = Held(iface)
-    cai2dlpack(held)
+    cai2dlpack(Held(cupy_shaped()), dtype="float32")
     assert _core._fused_reads() == before
+
+
+def test_a_held_dict_is_read_once_then_served_by_its_kept_record_where_records_are_kept():
+    """Read by the fused reader (no record kept yet), then by its record while unchanged; on free-threaded builds,
+    where nothing is kept, by the fused reader each time. Changed, it is read afresh, and the change is seen."""
+    held = Held(cupy_shaped())
+    keeps = _core._interface_cache_info()["enabled"]
+    before = _core._fused_reads()
+    first = read_capsule(versioned(held))
+    assert _core._fused_reads() - before == 1
+    assert read_capsule(versioned(held)) == first
+    assert _core._fused_reads() - before == (1 if keeps else 2)
+    held.__array_interface__["shape"] = (4, 3)
+    changed = read_capsule(versioned(held))
+    assert changed["shape"] == (4, 3) and first["shape"] == (3, 4), (first, changed)
+    assert _core._fused_reads() - before == (2 if keeps else 3)
+
+
+def test_the_fused_reader_off_sends_every_dict_to_the_general_reader():
+    _core._set_fused_reader(False)
+    try:
+        before = _core._fused_reads()
+        cai2dlpack(Fresh(cupy_shaped()))
+        cai2dlpack(Held(cupy_shaped()))
+        assert _core._fused_reads() == before
+    finally:
+        _core._set_fused_reader(True)
+    before = _core._fused_reads()
+    cai2dlpack(Fresh(cupy_shaped()))
+    assert _core._fused_reads() == before + 1
