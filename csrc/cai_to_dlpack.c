@@ -352,7 +352,9 @@ static inline int cdl_extent_readable(const cdl_array *out, int64_t itemsize)
 /* The fused reader, no dtype= asked: what the general reader below does for the common shapes of an interface
  * dict, in one pass, with borrowed references. Mostly a dict only this call holds (a producer's property builds
  * one on each access, as CuPy, Numba, PyTorch and RMM do): no critical section, since no other thread can reach
- * it. Of a dict held elsewhere, the caller holds the dict's critical section. Nothing here runs Python code.
+ * it. Of a dict held elsewhere, the caller holds the dict's critical section. On its way to success nothing here
+ * runs Python code or makes an object the collector tracks (which could start a collection, and its finalizers);
+ * a refusal raised inside (a typestr the parser refuses) may, and then nothing borrowed is read again.
  * Whatever it does not read the common way (a key that is not one of our interned names, a list, a buffer, a
  * bool where an int goes, an int of several digits, a typestr no typestr alone names, a mask, strides that are
  * not whole items, any extent problem, a NULL pointer) it leaves to the general reader, which then reads the same
@@ -471,16 +473,17 @@ static inline void cdl_count_fused_read(void)
 #endif
 }
 
-/* _set_fused_reader(False): every dict goes to the general reader (tests compare the two readers by it). */
-static int cdl_fused_off;
+/* _set_held_fused_reads(False): a dict held elsewhere goes to the general reader (tests compare the two readers
+ * by it; a fresh dict is always the fused reader's first). */
+static int cdl_held_fused_off;
 
-PyObject *cdl_set_fused_reader(PyObject *module, PyObject *enabled)
+PyObject *cdl_set_held_fused_reads(PyObject *module, PyObject *enabled)
 {
     (void)module;
     int on = PyObject_IsTrue(enabled);
     if (on < 0)
         return NULL;
-    cdl_fused_off = !on;
+    cdl_held_fused_off = !on;
     Py_RETURN_NONE;
 }
 
@@ -499,31 +502,33 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
                      Py_TYPE(iface)->tp_name);
         return -1;
     }
-    if (requested == NULL && PyDict_CheckExact(iface) && !cdl_fused_off) {
-        /* A dict only this call holds is never kept, so the kept records are not asked about it. */
-        if (Py_REFCNT(iface) == 1) {
-            if (cdl_read_fresh_dict(iface, source, out)) {
-                cdl_count_fused_read();
-                return cdl_set_device(out, source);
-            }
-        }
-        else {
-            /* A dict held elsewhere: its record if one is kept, else the fused reader, inside the dict's
-             * critical section (another thread may hold it; with the GIL, nothing read runs Python code), and
-             * what it read is kept as the general reader's would be (its every value is immutable and the type
-             * comes from the typestr alone). On free-threaded builds, where nothing is kept, every read is this. */
-            if (cdl_cache_find(iface, source, out))
-                return cdl_set_device(out, source);
-            const uint64_t read_version = cdl_cache_version(iface);
-            int fused;
-            CDL_BEGIN_CRITICAL_SECTION(iface);
-            fused = cdl_read_fresh_dict(iface, source, out);
-            CDL_END_CRITICAL_SECTION();
-            if (fused) {
-                cdl_cache_store(iface, source, read_version, out);
-                cdl_count_fused_read();
-                return cdl_set_device(out, source);
-            }
+    /* A dict only this call holds is never kept, so the kept records are not asked about it, and no other thread
+     * can reach it. One held elsewhere: its kept record if one serves, else the fused reader, inside the dict's
+     * critical section, and what it read is kept as the general reader's would be (its every value is immutable
+     * and the type comes from the typestr alone). On free-threaded builds, where nothing is kept, every read of a
+     * held dict is the fused reader's. */
+    if (requested == NULL && PyDict_CheckExact(iface) && (Py_REFCNT(iface) == 1 || !cdl_held_fused_off)) {
+        int fused;
+#ifdef Py_GIL_DISABLED
+        const int held = Py_REFCNT(iface) > 1;
+        PyCriticalSection section;
+        if (held)
+            PyCriticalSection_Begin(&section, iface);
+        fused = cdl_read_fresh_dict(iface, source, out);
+        if (held)
+            PyCriticalSection_End(&section);
+#else
+        if (Py_REFCNT(iface) > 1 && cdl_cache_find(iface, source, out))
+            return cdl_set_device(out, source);
+        fused = cdl_read_fresh_dict(iface, source, out);
+#endif
+        if (fused) {
+            /* The reader ran neither Python code nor the collector: the dict, its version and who holds it are as
+             * they were while it read. */
+            if (Py_REFCNT(iface) > 1)
+                cdl_cache_store(iface, source, cdl_cache_version(iface), out);
+            cdl_count_fused_read();
+            return cdl_set_device(out, source);
         }
     }
     else if (requested == NULL && cdl_cache_find(iface, source, out))

@@ -88,10 +88,10 @@ static PyMethodDef cdl_module_methods[] = {
      "_fused_reads($module, /)\n--\n\n"
      "How many interface dicts (a property's fresh dict, or one held elsewhere that no kept record served) were "
      "read by the fused reader rather than the general one, since import (for tests)."},
-    {"_set_fused_reader", cdl_set_fused_reader, METH_O,
-     "_set_fused_reader($module, enabled, /)\n--\n\n"
-     "Reads interface dicts the common way through the fused reader (True, the default) or every dict through "
-     "the general reader (False), for tests that compare the two."},
+    {"_set_held_fused_reads", cdl_set_held_fused_reads, METH_O,
+     "_set_held_fused_reads($module, enabled, /)\n--\n\n"
+     "Reads an interface dict held elsewhere (not a property's fresh one) through the fused reader where it can "
+     "(True, the default) or always through the general reader (False), for tests that compare the two."},
     {"_pending_releases", cdl_pending_releases, METH_NOARGS,
      "_pending_releases($module, /)\n--\n\n"
      "Makes the releases whose consumer stream has run, then returns how many still wait (pending), the bound "

@@ -21,7 +21,7 @@ from support import threads
 from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, GLOBAL
 from support.dlpack_ctypes import (DLDataType, DLDevice, DLManagedTensorVersioned, DLTensor, _api, kDLCPU, kDLCUDA,
-                                   kDLCUDAHost, kDLCUDAManaged)
+                                   kDLCUDAHost, kDLCUDAManaged, read_capsule)
 
 FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 THREADS = 8
@@ -278,6 +278,52 @@ def test_a_descr_list_changed_by_another_thread_is_read_whole():
 
     assert run_threads(work, 4) == []
     assert outcomes["named"] > 0
+
+
+def test_a_held_dict_changed_by_another_thread_is_read_at_one_moment():
+    """One dict held by its object, its keys replaced, deleted and put back by one thread while others convert it
+    (on free-threaded builds the fused reader reads it inside its critical section; with the GIL, a record kept
+    of it must never outlive a change). Each tensor is the dict as it was at one moment: the shape with its own
+    strides, a pointer and flag that were set together, never a mix."""
+    raw = np.zeros(64, dtype=np.float32)
+    base = raw.__array_interface__["data"][0]
+    iface = {"shape": (3, 4), "typestr": "<f4", "descr": [("", "<f4")], "stream": 1, "version": 3,
+             "strides": None, "data": (base, False)}
+
+    class Held:
+        __array_interface__ = iface
+
+    states = {((3, 4), (16, 4)), ((4, 3), (12, 4))}
+    pointers = {(base, 0), (base + 64, 1 << 0)}
+    stop = threading.Event()
+    seen = {"read": 0, "refused": 0}
+
+    def work(i):
+        if i == 0:
+            for round_ in range(4000):
+                iface["shape"] = (4, 3) if round_ % 2 else (3, 4)
+                iface["data"] = (base + 64, True) if round_ % 3 else (base, False)
+                if round_ % 5 == 0:
+                    del iface["typestr"]
+                    iface["typestr"] = "<f4"
+            stop.set()
+            return
+        while not stop.is_set():
+            try:
+                capsule = cai2dlpack(Held(), max_version=(1, 0))
+            except ValueError as error:  # the moment typestr was gone
+                assert "lacks the required key 'typestr'" in str(error)
+                seen["refused"] += 1
+                continue
+            tensor = read_capsule(capsule)
+            assert (tensor["shape"], tuple(s * 4 for s in tensor["strides"])) in states, tensor
+            assert (tensor["data"], tensor["flags"] & 1) in pointers, tensor
+            seen["read"] += 1
+
+    assert run_threads(work, 4) == []
+    assert seen["read"] > 0
+    if FREE_THREADED:
+        assert not sys._is_gil_enabled()
 
 
 # ---- real threads against each shared structure, results checked (on 3.13t the GIL stays off throughout) ----

@@ -70,9 +70,9 @@ def versioned(obj):
 
 def reads(iface, cudart=None, convert=versioned):
     """(whether the fused reader read iface, the outcome), after checking that the outcome is the general reader's
-    (the fused reader turned off) for the dict fresh on each access and held by its object, that the fused reader
-    reads both or neither, and, on the device path (cudart: the runtime double), that the runtime calls are the
-    general reader's too."""
+    (the fused reader turned off for held dicts) for the dict fresh on each access and held by its object, that
+    the fused reader reads both or neither, and, on the device path (cudart: the runtime double), that the runtime
+    calls are the general reader's too."""
     fresh_type, held_type = (FreshCuda, HeldCuda) if cudart is not None else (Fresh, Held)
     calls = []
 
@@ -93,11 +93,11 @@ def reads(iface, cudart=None, convert=versioned):
     _core._set_interface_cache(False)  # a held dict is read each time, not served by its kept record
     try:
         converted(held_type(copy.copy(iface)))  # first calls set up once (driver entry points, the event pool)
-        _core._set_fused_reader(False)
+        _core._set_held_fused_reads(False)
         try:
             general = counted(held_type(copy.copy(iface)))
         finally:
-            _core._set_fused_reader(True)
+            _core._set_held_fused_reads(True)
         fresh = counted(fresh_type(iface))
         held = counted(held_type(copy.copy(iface)))
     finally:
@@ -255,15 +255,18 @@ def test_a_held_dict_is_read_once_then_served_by_its_kept_record_where_records_a
     assert _core._fused_reads() - before == (2 if keeps else 3)
 
 
-def test_the_fused_reader_off_sends_every_dict_to_the_general_reader():
-    _core._set_fused_reader(False)
+def test_held_fused_reads_off_send_held_dicts_to_the_general_reader_and_leave_fresh_ones():
+    _core._set_interface_cache(False)
+    _core._set_held_fused_reads(False)
     try:
         before = _core._fused_reads()
-        cai2dlpack(Fresh(cupy_shaped()))
         cai2dlpack(Held(cupy_shaped()))
         assert _core._fused_reads() == before
+        cai2dlpack(Fresh(cupy_shaped()))
+        assert _core._fused_reads() == before + 1
     finally:
-        _core._set_fused_reader(True)
+        _core._set_held_fused_reads(True)
+        _core._set_interface_cache(True)
     before = _core._fused_reads()
-    cai2dlpack(Fresh(cupy_shaped()))
+    cai2dlpack(Held(cupy_shaped()))
     assert _core._fused_reads() == before + 1
