@@ -473,8 +473,8 @@ static inline void cdl_count_fused_read(void)
 #endif
 }
 
-/* _set_held_fused_reads(False): a dict held elsewhere goes to the general reader (tests compare the two readers
- * by it; a fresh dict is always the fused reader's first). */
+/* _set_held_fused_reads(False): a dict held elsewhere goes to its kept record or the general reader (tests compare
+ * the two readers by it, with records off; a fresh dict is always the fused reader's first). */
 static int cdl_held_fused_off;
 
 PyObject *cdl_set_held_fused_reads(PyObject *module, PyObject *enabled)
@@ -507,10 +507,10 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
      * critical section, and what it read is kept as the general reader's would be (its every value is immutable
      * and the type comes from the typestr alone). On free-threaded builds, where nothing is kept, every read of a
      * held dict is the fused reader's. */
-    if (requested == NULL && PyDict_CheckExact(iface) && (Py_REFCNT(iface) == 1 || !cdl_held_fused_off)) {
+    const int held = Py_REFCNT(iface) > 1;
+    if (requested == NULL && PyDict_CheckExact(iface) && (!held || !cdl_held_fused_off)) {
         int fused;
 #ifdef Py_GIL_DISABLED
-        const int held = Py_REFCNT(iface) > 1;
         PyCriticalSection section;
         if (held)
             PyCriticalSection_Begin(&section, iface);
@@ -518,15 +518,17 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
         if (held)
             PyCriticalSection_End(&section);
 #else
-        if (Py_REFCNT(iface) > 1 && cdl_cache_find(iface, source, out))
+        if (held && cdl_cache_find(iface, source, out))
             return cdl_set_device(out, source);
         fused = cdl_read_fresh_dict(iface, source, out);
 #endif
         if (fused) {
+#ifndef Py_GIL_DISABLED
             /* The reader ran neither Python code nor the collector: the dict, its version and who holds it are as
-             * they were while it read. */
+             * they were while it read. (Free-threaded builds keep no records.) */
             if (Py_REFCNT(iface) > 1)
                 cdl_cache_store(iface, source, cdl_cache_version(iface), out);
+#endif
             cdl_count_fused_read();
             return cdl_set_device(out, source);
         }

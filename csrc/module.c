@@ -91,7 +91,8 @@ static PyMethodDef cdl_module_methods[] = {
     {"_set_held_fused_reads", cdl_set_held_fused_reads, METH_O,
      "_set_held_fused_reads($module, enabled, /)\n--\n\n"
      "Reads an interface dict held elsewhere (not a property's fresh one) through the fused reader where it can "
-     "(True, the default) or always through the general reader (False), for tests that compare the two."},
+     "(True, the default) or through its kept record or the general reader (False), for tests that compare "
+     "the two readers."},
     {"_pending_releases", cdl_pending_releases, METH_NOARGS,
      "_pending_releases($module, /)\n--\n\n"
      "Makes the releases whose consumer stream has run, then returns how many still wait (pending), the bound "

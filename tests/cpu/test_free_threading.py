@@ -280,48 +280,48 @@ def test_a_descr_list_changed_by_another_thread_is_read_whole():
     assert outcomes["named"] > 0
 
 
-def test_a_held_dict_changed_by_another_thread_is_read_at_one_moment():
-    """One dict held by its object, its keys replaced, deleted and put back by one thread while others convert it
-    (on free-threaded builds the fused reader reads it inside its critical section; with the GIL, a record kept
-    of it must never outlive a change). Each tensor is the dict as it was at one moment: the shape with its own
-    strides, a pointer and flag that were set together, never a mix."""
+def test_a_held_dict_switched_whole_by_another_thread_is_read_as_one_state():
+    """One dict held by its object, switched between two whole states by one thread (dict.update: one step, under
+    the dict's lock on free-threaded builds) while others convert it. The fused reader reads it inside its
+    critical section there; with the GIL, a record kept of it must never outlive a change. Each tensor is one
+    state's, never one state's shape or type with the other's strides or pointer."""
     raw = np.zeros(64, dtype=np.float32)
     base = raw.__array_interface__["data"][0]
-    iface = {"shape": (3, 4), "typestr": "<f4", "descr": [("", "<f4")], "stream": 1, "version": 3,
-             "strides": None, "data": (base, False)}
+    one = {"shape": (3, 4), "typestr": "<f4", "data": (base, False), "strides": (16, 4), "version": 3}
+    other = {"shape": (6, 2), "typestr": "<i2", "data": (base + 64, True), "strides": (4, 2), "version": 3}
+
+    def tensor_of(iface):
+        class Fresh:
+            __array_interface__ = dict(iface)
+
+        return read_capsule(cai2dlpack(Fresh(), max_version=(1, 0)))
+
+    states = [tensor_of(one), tensor_of(other)]
+    shared = dict(one)
 
     class Held:
-        __array_interface__ = iface
+        __array_interface__ = shared
 
-    states = {((3, 4), (16, 4)), ((4, 3), (12, 4))}
-    pointers = {(base, 0), (base + 64, 1 << 0)}
     stop = threading.Event()
-    seen = {"read": 0, "refused": 0}
+    torn, reads = [], [0]
 
     def work(i):
         if i == 0:
-            for round_ in range(4000):
-                iface["shape"] = (4, 3) if round_ % 2 else (3, 4)
-                iface["data"] = (base + 64, True) if round_ % 3 else (base, False)
-                if round_ % 5 == 0:
-                    del iface["typestr"]
-                    iface["typestr"] = "<f4"
+            for round_ in range(50000):
+                # new tuples each time: a reading that outlived its lock would find them freed
+                state = other if round_ % 2 else one
+                shared.update({key: tuple(list(value)) if isinstance(value, tuple) else value
+                               for key, value in state.items()})
             stop.set()
             return
         while not stop.is_set():
-            try:
-                capsule = cai2dlpack(Held(), max_version=(1, 0))
-            except ValueError as error:  # the moment typestr was gone
-                assert "lacks the required key 'typestr'" in str(error)
-                seen["refused"] += 1
-                continue
-            tensor = read_capsule(capsule)
-            assert (tensor["shape"], tuple(s * 4 for s in tensor["strides"])) in states, tensor
-            assert (tensor["data"], tensor["flags"] & 1) in pointers, tensor
-            seen["read"] += 1
+            tensor = read_capsule(cai2dlpack(Held(), max_version=(1, 0)))
+            reads[0] += 1
+            if tensor not in states:
+                torn.append(tensor)
 
-    assert run_threads(work, 4) == []
-    assert seen["read"] > 0
+    assert run_threads(work, 3) == []
+    assert torn == [] and reads[0] > 0
     if FREE_THREADED:
         assert not sys._is_gil_enabled()
 

@@ -1,6 +1,7 @@
 """Property-based fuzzing of both converters through the public API (a bounded run in CI; set
 CAI_DLPACK_FUZZ_EXAMPLES for a long run). Invariants: never a crash; valid input round-trips exactly;
 invalid input raises TypeError, ValueError or BufferError naming the interface."""
+import contextlib
 import copy
 import ctypes
 import sys
@@ -13,6 +14,19 @@ from hypothesis import strategies as st
 from cai_dlpack import DLPackShim, _core, cai2dlpack, dlpack2cai
 from support import doors
 from support.dlpack_ctypes import MadeTensor, read_capsule
+
+
+@contextlib.contextmanager
+def general_reader():
+    """Every held dict read afresh by the general reader: kept records off, and the fused reader off for dicts held
+    elsewhere (a property's fresh dict is still the fused reader's)."""
+    _core._set_interface_cache(False)
+    _core._set_held_fused_reads(False)
+    try:
+        yield
+    finally:
+        _core._set_held_fused_reads(True)
+        _core._set_interface_cache(True)
 from support.fuzz_settings import FUZZ
 BUFFER = np.zeros(1 << 16, dtype=np.uint8)
 BASE = BUFFER.ctypes.data
@@ -133,18 +147,16 @@ def changes(draw, iface):
 @given(st.data())
 def test_a_kept_record_answers_as_a_fresh_read(data):
     """A ready dict converted with kept records (kept, then reused), then changed in place and converted again,
-    answers as each dict read afresh with kept records off (_core._set_interface_cache)."""
+    answers as each dict read afresh by the general reader (general_reader: kept records off, and the fused reader
+    off for held dicts)."""
     iface = data.draw(ready_interfaces())
     changed = data.draw(changes(iface))
 
     def convert(obj):
         return lambda: cai2dlpack(obj, max_version=(1, 0))
 
-    _core._set_interface_cache(False)
-    try:
+    with general_reader():
         fresh = [_outcome(convert(Holder(dict(d)))) for d in (iface, changed)]
-    finally:
-        _core._set_interface_cache(True)
     holder = Holder(iface)
     for expected in fresh:
         assert _outcome(convert(holder)) == expected
@@ -266,18 +278,18 @@ def fresh_interfaces(draw):
 @FUZZ
 @given(fresh_interfaces(), st.sampled_from([{}, {"max_version": (1, 0)}, {"stream": -1, "max_version": (1, 3)}]))
 def test_a_dict_only_the_call_holds_reads_as_a_dict_held_elsewhere(cudart, iface, keywords):
-    """The same dict through the fused path (a fresh dict from a property) and the general reader (a ready dict,
-    kept records off): the same tensor, or the same exception with the same message, on both interfaces."""
+    """The same dict through the fused path (a fresh dict from a property, and a ready dict the fused reader reads
+    too) and the general reader (a ready dict, general_reader()): the same tensor, or the same exception with the
+    same message, on both interfaces."""
     cudart.reset()
     cudart.add_region(BASE, BUFFER.nbytes, 2, 1)
-    _core._set_interface_cache(False)
-    try:
-        for fresh, held in ((FreshArrayHolder, Holder), (FreshCaiHolder, CaiHolder)):
-            for convert in (lambda obj: cai2dlpack(obj, **keywords),
-                            lambda obj: DLPackShim(obj).__dlpack__(**keywords)):
-                assert _capsule_outcome(convert, fresh(iface)) == _capsule_outcome(convert, held(iface))
-    finally:
-        _core._set_interface_cache(True)
+    for fresh, held in ((FreshArrayHolder, Holder), (FreshCaiHolder, CaiHolder)):
+        for convert in (lambda obj: cai2dlpack(obj, **keywords),
+                        lambda obj: DLPackShim(obj).__dlpack__(**keywords)):
+            with general_reader():
+                expected = _capsule_outcome(convert, held(iface))
+            assert _capsule_outcome(convert, fresh(iface)) == expected
+            assert _capsule_outcome(convert, held(iface)) == expected  # the fused reader's where it reads it
 
 
 @pytest.mark.parametrize("pointer", [1, 2**30 - 8, 2**30, 2**30 + 8, 2**31, 2**59 + 2**30 + 8, 2**60 - 8, 2**60,
@@ -287,12 +299,11 @@ def test_pointers_of_every_size_read_alike_on_both_paths(pointer):
     of a dict held elsewhere: the same address in the tensor, or the same refusal."""
     iface = {"shape": (2,), "typestr": "<f4", "descr": [("", "<f4")], "version": 3, "strides": None,
              "data": (pointer, False)}
-    _core._set_interface_cache(False)
-    try:
-        fresh, held = _capsule_outcome(cai2dlpack, FreshArrayHolder(iface)), _capsule_outcome(cai2dlpack, Holder(iface))
-    finally:
-        _core._set_interface_cache(True)
+    with general_reader():
+        held = _capsule_outcome(cai2dlpack, Holder(iface))
+    fresh = _capsule_outcome(cai2dlpack, FreshArrayHolder(iface))
     assert fresh == held
+    assert _capsule_outcome(cai2dlpack, Holder(iface)) == held  # the fused reader's where it reads it
     if 0 < pointer <= 2**64 - 8:
         assert dlpack2cai(cai2dlpack(FreshArrayHolder(iface))).__array_interface__["data"][0] == pointer
     else:
@@ -588,16 +599,13 @@ class Float16Holder(Holder):
 
 
 def fresh_answers(iface, holder=Holder):
-    """every_door of a deep copy of iface (in a holder of that class) read with kept records off: what each door
+    """every_door of a deep copy of iface (in a holder of that class) read by the general reader: what each door
     must say of it."""
     copied = {key: list(value) if isinstance(value, list) else value for key, value in iface.items()}
     if isinstance(iface.get("descr"), list):
         copied["descr"] = [tuple(field) if isinstance(field, tuple) else field for field in iface["descr"]]
-    _core._set_interface_cache(False)
-    try:
+    with general_reader():
         return every_door(holder(copied))
-    finally:
-        _core._set_interface_cache(True)
 
 
 @st.composite

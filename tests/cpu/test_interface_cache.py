@@ -57,6 +57,25 @@ def test_an_unchanged_ready_dict_is_read_once_then_reused():
 
 
 @kept_only
+def test_a_ready_dict_subclass_is_read_by_the_general_reader_once_then_reused():
+    """A dict subclass is never the fused reader's (its methods may be overridden), but its record is kept and
+    reused like an exact dict's."""
+
+    class Interface(dict):
+        pass
+
+    x = np.arange(12.0).reshape(3, 4)
+    made = holding(Interface(x.__array_interface__))
+    fused = _core._fused_reads()
+    assert converted(made)[0] == (0, 1)
+    for _ in range(3):
+        took, array = converted(made)
+        assert took == (1, 0)
+        np.testing.assert_array_equal(array, x)
+    assert _core._fused_reads() == fused
+
+
+@kept_only
 def test_the_shim_and_the_c_api_path_reuse_it_too():
     x = np.arange(6, dtype=np.int16)
     made = holding(dict(x.__array_interface__))
