@@ -352,9 +352,10 @@ static inline int cdl_extent_readable(const cdl_array *out, int64_t itemsize)
 /* The fused reader, no dtype= asked: what the general reader below does for the common shapes of an interface
  * dict, in one pass, with borrowed references. Mostly a dict only this call holds (a producer's property builds
  * one on each access, as CuPy, Numba, PyTorch and RMM do): no critical section, since no other thread can reach
- * it. Of a dict held elsewhere, the caller holds the dict's critical section. On its way to success nothing here
- * runs Python code or makes an object the collector tracks (which could start a collection, and its finalizers);
- * a refusal raised inside (a typestr the parser refuses) may, and then nothing borrowed is read again.
+ * it. Of a dict held elsewhere, the caller holds the dict's critical section, which nothing here waits on
+ * anything to let go of. On its way to success nothing here runs Python code or makes an object the collector
+ * tracks (which could start a collection, and its finalizers); a refusal raised inside (a typestr or a pointer
+ * the parsers refuse) may, and then nothing borrowed is read again.
  * Whatever it does not read the common way (a key that is not one of our interned names, a list, a buffer, a
  * bool where an int goes, an int of several digits, a typestr no typestr alone names, a mask, strides that are
  * not whole items, any extent problem, a NULL pointer) it leaves to the general reader, which then reads the same
@@ -398,8 +399,10 @@ static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *ou
     }
     out->ndim = ndim;
     /* A typestr alone names the type (the descr is then not read, as below); the parser's refusals are the
-     * general reader's to raise. */
-    if (typestr == NULL || !PyUnicode_CheckExact(typestr))
+     * general reader's to raise. Only a compact ASCII str, which the parser reads in place: for any other it asks
+     * the str for its UTF-8 form, which on a free-threaded build may wait for another thread's critical section
+     * on that str, and a wait lets go of the dict's (every typestr the parser accepts is ASCII). */
+    if (typestr == NULL || !PyUnicode_CheckExact(typestr) || !PyUnicode_IS_COMPACT_ASCII(typestr))
         return 0;
     if (cdl_lookup_typestr(typestr, &out->dtype) < 0 && cdl_parse_typestr(typestr, "", &out->dtype) < 0) {
         PyErr_Clear();
@@ -474,7 +477,8 @@ static inline void cdl_count_fused_read(void)
 }
 
 /* _set_held_fused_reads(False): a dict held elsewhere goes to its kept record or the general reader (tests compare
- * the two readers by it, with records off; a fresh dict is always the fused reader's first). */
+ * the two readers by it, with records off; a fresh dict is always the fused reader's first). Set by tests while
+ * no other thread converts: a plain int. */
 static int cdl_held_fused_off;
 
 PyObject *cdl_set_held_fused_reads(PyObject *module, PyObject *enabled)
@@ -506,7 +510,7 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
      * can reach it. One held elsewhere: its kept record if one serves, else the fused reader, inside the dict's
      * critical section, and what it read is kept as the general reader's would be (its every value is immutable
      * and the type comes from the typestr alone). On free-threaded builds, where nothing is kept, every read of a
-     * held dict is the fused reader's. */
+     * held exact dict goes to the fused reader first. */
     const int held = Py_REFCNT(iface) > 1;
     if (requested == NULL && PyDict_CheckExact(iface) && (!held || !cdl_held_fused_off)) {
         int fused;

@@ -213,8 +213,8 @@ static inline int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t na
 /* Returns 0 with *out filled, or -1 naming where (the interface) and the typestr: TypeError for a non-str,
  * UnsupportedArrayError for a type DLPack cannot describe. */
 int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out);
-/* The same for an exact str of three characters ('<f4', '|b1'), without an exception: 0 with *out filled, or -1
- * where cdl_parse_typestr must decide (and say why). */
+/* The same for a compact ASCII str (the caller checks) of three characters ('<f4', '|b1'), without an exception:
+ * 0 with *out filled, or -1 where cdl_parse_typestr must decide (and say why). */
 int cdl_lookup_typestr(PyObject *typestr, DLDataType *out);
 /* The type of an interface: its typestr, or for a type no typestr names (bfloat16, float8, ...), the
  * name in its one-field descr or the name of obj's NumPy dtype (obj may be NULL); requested (NULL: none)

@@ -216,8 +216,9 @@ int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
 
 int cdl_lookup_typestr(PyObject *typestr, DLDataType *out)
 {
-    /* What cdl_parse_typestr accepts of three characters, read in place: the byte order, the kind, one digit. */
-    if (!PyUnicode_IS_COMPACT_ASCII(typestr) || PyUnicode_GET_LENGTH(typestr) != 3)
+    /* What cdl_parse_typestr accepts of three characters, read in place: the byte order, the kind, one digit. The
+     * caller asked whether the str is compact ASCII. */
+    if (PyUnicode_GET_LENGTH(typestr) != 3)
         return -1;
     const unsigned char *text = (const unsigned char *)PyUnicode_DATA(typestr);
     /* '<' and '>' less the foreign one: the native order's character. */

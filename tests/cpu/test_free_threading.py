@@ -307,11 +307,15 @@ def test_a_held_dict_switched_whole_by_another_thread_is_read_as_one_state():
 
     def work(i):
         if i == 0:
-            for round_ in range(50000):
+            # until the others have converted it often while it changed (threads started together may still run
+            # one after another for a while), within a bound
+            round_ = 0
+            while (round_ < 20000 or reads[0] < 50000) and round_ < 2000000:
                 # new tuples each time: a reading that outlived its lock would find them freed
                 state = other if round_ % 2 else one
                 shared.update({key: tuple(list(value)) if isinstance(value, tuple) else value
                                for key, value in state.items()})
+                round_ += 1
             stop.set()
             return
         while not stop.is_set():
