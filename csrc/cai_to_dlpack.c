@@ -352,8 +352,8 @@ static inline int cdl_extent_readable(const cdl_array *out, int64_t itemsize)
 /* The fused reader, no dtype= asked: what the general reader below does for the common shapes of an interface
  * dict, in one pass, with borrowed references. Mostly a dict only this call holds (a producer's property builds
  * one on each access, as CuPy, Numba, PyTorch and RMM do): no critical section, since no other thread can reach
- * it. Of a dict held elsewhere, the caller holds the dict's critical section, which nothing here waits on
- * anything to let go of. On its way to success nothing here runs Python code or makes an object the collector
+ * it. Of a dict held elsewhere (free-threaded builds only), the caller holds the dict's critical section, which
+ * nothing here waits on anything to let go of. On its way to success nothing here runs Python code or makes an object the collector
  * tracks (which could start a collection, and its finalizers); a refusal raised inside (a typestr or a pointer
  * the parsers refuse) may, and then nothing borrowed is read again.
  * Whatever it does not read the common way (a key that is not one of our interned names, a list, a buffer, a
@@ -476,9 +476,9 @@ static inline void cdl_count_fused_read(void)
 #endif
 }
 
-/* _set_held_fused_reads(False): a dict held elsewhere goes to its kept record or the general reader (tests compare
- * the two readers by it, with records off; a fresh dict is always the fused reader's first). Set by tests while
- * no other thread converts: a plain int. */
+/* _set_held_fused_reads(False), on free-threaded builds: a dict held elsewhere goes to the general reader (tests
+ * compare the two readers by it; a fresh dict is always the fused reader's first). With the GIL, held dicts never
+ * go to the fused reader. Set by tests while no other thread converts: a plain int. */
 static int cdl_held_fused_off;
 
 PyObject *cdl_set_held_fused_reads(PyObject *module, PyObject *enabled)
@@ -506,38 +506,33 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
                      Py_TYPE(iface)->tp_name);
         return -1;
     }
-    /* A dict only this call holds is never kept, so the kept records are not asked about it, and no other thread
-     * can reach it. One held elsewhere: its kept record if one serves, else the fused reader, inside the dict's
-     * critical section, and what it read is kept as the general reader's would be (its every value is immutable
-     * and the type comes from the typestr alone). On free-threaded builds, where nothing is kept, every read of a
-     * held exact dict goes to the fused reader first. */
+#ifdef Py_GIL_DISABLED
+    /* A dict only this call holds: no other thread can reach it. One held elsewhere (free-threaded builds keep no
+     * records): the fused reader too, inside the dict's critical section. */
     const int held = Py_REFCNT(iface) > 1;
     if (requested == NULL && PyDict_CheckExact(iface) && (!held || !cdl_held_fused_off)) {
-        int fused;
-#ifdef Py_GIL_DISABLED
         PyCriticalSection section;
         if (held)
             PyCriticalSection_Begin(&section, iface);
-        fused = cdl_read_fresh_dict(iface, source, out);
+        const int fused = cdl_read_fresh_dict(iface, source, out);
         if (held)
             PyCriticalSection_End(&section);
-#else
-        if (held && cdl_cache_find(iface, source, out))
-            return cdl_set_device(out, source);
-        fused = cdl_read_fresh_dict(iface, source, out);
-#endif
         if (fused) {
-#ifndef Py_GIL_DISABLED
-            /* The reader ran neither Python code nor the collector: the dict, its version and who holds it are as
-             * they were while it read. (Free-threaded builds keep no records.) */
-            if (Py_REFCNT(iface) > 1)
-                cdl_cache_store(iface, source, cdl_cache_version(iface), out);
-#endif
             cdl_count_fused_read();
             return cdl_set_device(out, source);
         }
     }
-    else if (requested == NULL && cdl_cache_find(iface, source, out))
+#else
+    /* A dict only this call holds is never kept, so the kept records are not asked about it. One held elsewhere is
+     * its kept record's, else the general reader's: read by the fused reader it would cost the fresh dict's path
+     * a test more (+9 to +13 instructions there, and as much on the shim's), for what its record mostly serves. */
+    if (requested == NULL && Py_REFCNT(iface) == 1 && PyDict_CheckExact(iface) &&
+        cdl_read_fresh_dict(iface, source, out)) {
+        cdl_count_fused_read();
+        return cdl_set_device(out, source);
+    }
+#endif
+    if (requested == NULL && cdl_cache_find(iface, source, out))
         return cdl_set_device(out, source);
     const uint64_t dict_version = cdl_cache_version(iface);
     /* Strong references: reading a buffer object may run Python code that changes the dict. */

@@ -538,8 +538,8 @@ int cdl_array_from_host_object(PyObject *obj, const DLDataType *requested, cdl_a
 /* _core._fused_reads(): how many interface dicts the fused reader has read (for tests that real producers' dicts
  * take the fast path). */
 PyObject *cdl_fused_reads_count(PyObject *module, PyObject *unused);
-/* _core._set_held_fused_reads(enabled): off, a dict held elsewhere goes to its kept record or the general reader
- * (with records off, the tests' reference). */
+/* _core._set_held_fused_reads(enabled): off, on a free-threaded build a dict held elsewhere goes to the general
+ * reader (the tests' reference; with the GIL it always does, less its kept record). */
 PyObject *cdl_set_held_fused_reads(PyObject *module, PyObject *enabled);
 /* The object whose buffer a keepalive of cdl_array_from_object holds (a memoryview, or a buffer hold of a native
  * array's own buffer); borrowed. */

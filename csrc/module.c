@@ -86,13 +86,13 @@ static PyMethodDef cdl_module_methods[] = {
      "and tests; returns _interface_cache_info()."},
     {"_fused_reads", cdl_fused_reads_count, METH_NOARGS,
      "_fused_reads($module, /)\n--\n\n"
-     "How many interface dicts (a property's fresh dict, or one held elsewhere that no kept record served) were "
+     "How many interface dicts (a property's fresh dict, or on a free-threaded build one held elsewhere) were "
      "read by the fused reader rather than the general one, since import (for tests)."},
     {"_set_held_fused_reads", cdl_set_held_fused_reads, METH_O,
      "_set_held_fused_reads($module, enabled, /)\n--\n\n"
-     "Reads an interface dict held elsewhere (not a property's fresh one) through the fused reader where it can "
-     "(True, the default) or through its kept record or the general reader (False), for tests that compare "
-     "the two readers."},
+     "On a free-threaded build, reads an interface dict held elsewhere (not a property's fresh one) through the "
+     "fused reader where it can (True, the default) or through the general reader (False), for tests that "
+     "compare the two readers; with the GIL, held dicts are always their kept record's or the general reader's."},
     {"_pending_releases", cdl_pending_releases, METH_NOARGS,
      "_pending_releases($module, /)\n--\n\n"
      "Makes the releases whose consumer stream has run, then returns how many still wait (pending), the bound "

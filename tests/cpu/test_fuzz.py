@@ -19,7 +19,7 @@ from support.dlpack_ctypes import MadeTensor, read_capsule
 @contextlib.contextmanager
 def general_reader():
     """Every held dict read afresh by the general reader: kept records off, and the fused reader off for dicts held
-    elsewhere (a property's fresh dict is still the fused reader's)."""
+    elsewhere, which it reads on free-threaded builds (a property's fresh dict is still the fused reader's)."""
     _core._set_interface_cache(False)
     _core._set_held_fused_reads(False)
     try:
@@ -278,7 +278,7 @@ def fresh_interfaces(draw):
 @FUZZ
 @given(fresh_interfaces(), st.sampled_from([{}, {"max_version": (1, 0)}, {"stream": -1, "max_version": (1, 3)}]))
 def test_a_dict_only_the_call_holds_reads_as_a_dict_held_elsewhere(cudart, iface, keywords):
-    """The same dict through the fused path (a fresh dict from a property, and a ready dict the fused reader reads
+    """The same dict through the fused path (a fresh dict from a property, and on free-threaded builds a ready dict
     too) and the general reader (a ready dict, general_reader()): the same tensor, or the same exception with the
     same message, on both interfaces."""
     cudart.reset()
@@ -289,7 +289,7 @@ def test_a_dict_only_the_call_holds_reads_as_a_dict_held_elsewhere(cudart, iface
             with general_reader():
                 expected = _capsule_outcome(convert, held(iface))
             assert _capsule_outcome(convert, fresh(iface)) == expected
-            assert _capsule_outcome(convert, held(iface)) == expected  # the fused reader's where it reads it
+            assert _capsule_outcome(convert, held(iface)) == expected  # free-threaded: the fused reader's
 
 
 @pytest.mark.parametrize("pointer", [1, 2**30 - 8, 2**30, 2**30 + 8, 2**31, 2**59 + 2**30 + 8, 2**60 - 8, 2**60,
@@ -303,7 +303,7 @@ def test_pointers_of_every_size_read_alike_on_both_paths(pointer):
         held = _capsule_outcome(cai2dlpack, Holder(iface))
     fresh = _capsule_outcome(cai2dlpack, FreshArrayHolder(iface))
     assert fresh == held
-    assert _capsule_outcome(cai2dlpack, Holder(iface)) == held  # the fused reader's where it reads it
+    assert _capsule_outcome(cai2dlpack, Holder(iface)) == held  # free-threaded: the fused reader's
     if 0 < pointer <= 2**64 - 8:
         assert dlpack2cai(cai2dlpack(FreshArrayHolder(iface))).__array_interface__["data"][0] == pointer
     else:
