@@ -353,9 +353,11 @@ static inline int cdl_extent_readable(const cdl_array *out, int64_t itemsize)
  * dict, in one pass, with borrowed references. Mostly a dict only this call holds (a producer's property builds
  * one on each access, as CuPy, Numba, PyTorch and RMM do): no critical section, since no other thread can reach
  * it. Of a dict held elsewhere (free-threaded builds only), the caller holds the dict's critical section, which
- * nothing here waits on anything to let go of. On its way to success nothing here runs Python code or makes an object the collector
- * tracks (which could start a collection, and its finalizers); a refusal raised inside (a typestr or a pointer
- * the parsers refuse) may, and then nothing borrowed is read again.
+ * nothing here waits on anything to let go of. Nothing here runs Python code or makes an object the collector
+ * tracks (which could start a collection, and its finalizers, or a signal handler), or waits: the typestr is named
+ * without an exception (a refused one would be formatted by its repr, which first runs pending signal handlers
+ * and, from 3.12, a pending collection). Only a pointer past 60 bits is refused with one (OverflowError, set and
+ * cleared), after which nothing borrowed is read again.
  * Whatever it does not read the common way (a key that is not one of our interned names, a list, a buffer, a
  * bool where an int goes, an int of several digits, a typestr no typestr alone names, a mask, strides that are
  * not whole items, any extent problem, a NULL pointer) it leaves to the general reader, which then reads the same
@@ -404,10 +406,8 @@ static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *ou
      * on that str, and a wait lets go of the dict's (every typestr the parser accepts is ASCII). */
     if (typestr == NULL || !PyUnicode_CheckExact(typestr) || !PyUnicode_IS_COMPACT_ASCII(typestr))
         return 0;
-    if (cdl_lookup_typestr(typestr, &out->dtype) < 0 && cdl_parse_typestr(typestr, "", &out->dtype) < 0) {
-        PyErr_Clear();
+    if (cdl_lookup_typestr(typestr, &out->dtype) < 0 && cdl_name_ascii_typestr(typestr, &out->dtype) < 0)
         return 0;
-    }
     const int64_t itemsize = cdl_itemsize(out->dtype);
     if (data == NULL || !PyTuple_CheckExact(data) || PyTuple_GET_SIZE(data) != 2 ||
         !PyLong_CheckExact(PyTuple_GET_ITEM(data, 0)) || !PyBool_Check(PyTuple_GET_ITEM(data, 1)))

@@ -216,6 +216,9 @@ int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out);
 /* The same for a compact ASCII str (the caller checks) of three characters ('<f4', '|b1'), without an exception:
  * 0 with *out filled, or -1 where cdl_parse_typestr must decide (and say why). */
 int cdl_lookup_typestr(PyObject *typestr, DLDataType *out);
+/* cdl_parse_typestr of a compact ASCII str (the caller checks) of any length, without an exception and without
+ * calling into anything: 0 with *out filled, or -1 where the parser would refuse (and say why). */
+int cdl_name_ascii_typestr(PyObject *typestr, DLDataType *out);
 /* The type of an interface: its typestr, or for a type no typestr names (bfloat16, float8, ...), the
  * name in its one-field descr or the name of obj's NumPy dtype (obj may be NULL); requested (NULL: none)
  * is the caller's dtype= and wins, if the typestr's item size matches. Returns 0 for a type the typestr

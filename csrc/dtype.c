@@ -167,6 +167,29 @@ static int cdl_raise_no_equivalent(PyObject *typestr, const char *where)
     return -1;
 }
 
+/* A typestr's text split into its kind character and item size, without an exception: CDL_TEXT_SPLIT, or
+ * CDL_TEXT_FOREIGN_ORDER, or CDL_TEXT_NO_TYPE (not a typestr of this form). */
+enum { CDL_TEXT_SPLIT, CDL_TEXT_FOREIGN_ORDER, CDL_TEXT_NO_TYPE };
+
+static int cdl_split_text(const char *text, Py_ssize_t length, char *kind, int *itemsize)
+{
+    if (length < 3 || length > 4)
+        return CDL_TEXT_NO_TYPE;
+    const char order = text[0];
+    if (order == CDL_FOREIGN_BYTE_ORDER)
+        return CDL_TEXT_FOREIGN_ORDER;
+    if (order != '<' && order != '>' && order != '|' && order != '=')
+        return CDL_TEXT_NO_TYPE;
+    *itemsize = 0;
+    for (Py_ssize_t i = 2; i < length; i++) {
+        if (text[i] < '0' || text[i] > '9')
+            return CDL_TEXT_NO_TYPE;
+        *itemsize = *itemsize * 10 + (text[i] - '0');
+    }
+    *kind = text[1];
+    return CDL_TEXT_SPLIT;
+}
+
 /* A typestr's kind character and item size. Returns 0, or -1 with TypeError (not a str) or
  * UnsupportedArrayError (another byte order, or no type this table could hold) naming it. */
 static int cdl_split_typestr(PyObject *typestr, const char *where, char *kind, int *itemsize)
@@ -181,26 +204,16 @@ static int cdl_split_typestr(PyObject *typestr, const char *where, char *kind, i
     length = text ? PyUnicode_GET_LENGTH(typestr) : 0;
     if (text == NULL && (text = PyUnicode_AsUTF8AndSize(typestr, &length)) == NULL)
         return -1;
-    if (length < 3 || length > 4)
-        goto unsupported;
-    char order = text[0];
-    if (order == CDL_FOREIGN_BYTE_ORDER) {
+    switch (cdl_split_text(text, length, kind, itemsize)) {
+    case CDL_TEXT_SPLIT:
+        return 0;
+    case CDL_TEXT_FOREIGN_ORDER:
         PyErr_Format(cdl_UnsupportedError,
                      "%s 'typestr' %R has non-native byte order, which DLPack cannot describe", where, typestr);
         return -1;
+    default:
+        return cdl_raise_no_equivalent(typestr, where);
     }
-    if (order != '<' && order != '>' && order != '|' && order != '=')
-        goto unsupported;
-    *itemsize = 0;
-    for (Py_ssize_t i = 2; i < length; i++) {
-        if (text[i] < '0' || text[i] > '9')
-            goto unsupported;
-        *itemsize = *itemsize * 10 + (text[i] - '0');
-    }
-    *kind = text[1];
-    return 0;
-unsupported:
-    return cdl_raise_no_equivalent(typestr, where);
 }
 
 int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
@@ -212,6 +225,16 @@ int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
     if (cdl_dtype_from_kind(kind, itemsize, out) == 0)
         return 0;
     return cdl_raise_no_equivalent(typestr, where);
+}
+
+int cdl_name_ascii_typestr(PyObject *typestr, DLDataType *out)
+{
+    char kind;
+    int itemsize;
+    if (cdl_split_text((const char *)PyUnicode_DATA(typestr), PyUnicode_GET_LENGTH(typestr), &kind, &itemsize) !=
+        CDL_TEXT_SPLIT)
+        return -1;
+    return cdl_dtype_from_kind(kind, itemsize, out);
 }
 
 int cdl_lookup_typestr(PyObject *typestr, DLDataType *out)

@@ -3,6 +3,8 @@ are read by the fused reader, and every dict it must not read the common way goe
 by _core._fused_reads(), with the same tensor or the same error as a dict held elsewhere (which the general
 reader always reads). Which reader ran is otherwise seen only in a conversion's cost."""
 import copy
+import gc
+import sys
 import sysconfig
 
 import numpy as np
@@ -276,3 +278,34 @@ def test_held_fused_reads_off_send_held_dicts_to_the_general_reader_and_leave_fr
     before = _core._fused_reads()
     cai2dlpack(Held(cupy_shaped()))
     assert _core._fused_reads() == before + HELD_FUSED
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="3.11 collects inside the allocation that crosses the threshold, "
+                    "in the producer's property: the finalizer has run before the conversion reads the dict")
+def test_a_refused_typestr_is_never_formatted_from_a_borrowed_reference():
+    """A held dict whose typestr ('<f3', held by the dict alone) names no type. The fused reader (which reads held
+    dicts on free-threaded builds) declines it without raising: formatting the refusal calls the str's repr, which
+    first runs pending signal handlers and, from 3.12, a pending collection, whose finalizer here replaces the
+    typestr. Read through a borrowed reference, the freed str would be read and the new one converted; the general
+    reader, holding its own references, refuses '<f3' by name."""
+    shared = {"shape": (3, 4), "typestr": "".join(["<", "f", "3"]), "data": (BASE, False), "version": 3}
+
+    class Finalized:
+        def __del__(self):
+            shared["typestr"] = "<f4"  # the dict's reference to '<f3' was its last
+
+    def arm():
+        garbage = Finalized()
+        garbage.cycle = garbage
+
+    # The property leaves the cycle and then makes 1,200 lists with no call or backward jump after them, where the
+    # interpreter would run the collection they schedule: it is still pending when the conversion's C code runs.
+    getter = eval("lambda self: (arm(), [" + "[], " * 1200 + "], shared)[-1]", {"arm": arm, "shared": shared})
+    producer = type("Producer", (), {"__array_interface__": property(getter)})()
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 0, 0)
+    try:
+        with pytest.raises(ValueError, match="'<f3' has no DLPack equivalent"):
+            cai2dlpack(producer, max_version=(1, 0))
+    finally:
+        gc.set_threshold(*threshold)
