@@ -356,8 +356,8 @@ static inline int cdl_extent_readable(const cdl_array *out, int64_t itemsize)
  * nothing here waits on anything to let go of. Nothing here runs Python code or makes an object the collector
  * tracks (which could start a collection, and its finalizers, or a signal handler), or waits: the typestr is named
  * without an exception (a refused one would be formatted by its repr, which first runs pending signal handlers
- * and, from 3.12, a pending collection). Only a pointer past 60 bits is refused with one (OverflowError, set and
- * cleared), after which nothing borrowed is read again.
+ * and, from 3.12, a pending collection). Only a pointer outside 0..2**64-1 is refused with one (the runtime's
+ * OverflowError, set and cleared: no Python code runs), after which nothing borrowed is read again.
  * Whatever it does not read the common way (a key that is not one of our interned names, a list, a buffer, a
  * bool where an int goes, an int of several digits, a typestr no typestr alone names, a mask, strides that are
  * not whole items, any extent problem, a NULL pointer) it leaves to the general reader, which then reads the same

@@ -196,6 +196,8 @@ LEFT = {
     "a typestr whose first three characters name a type": cupy_shaped(typestr="<f44", descr=[("", "<f44")]),
     "a typestr of a type and a letter": cupy_shaped(typestr="<f4x", descr=[("", "<f4x")]),
     "a typestr of another byte order": cupy_shaped(typestr=">f4"),
+    "a typestr of no byte order": cupy_shaped(typestr="!f4", descr=[("", "!f4")]),
+    "a typestr of five characters whose size names a type": cupy_shaped(typestr="<f004", descr=[("", "<f004")]),
     "no data": cupy_shaped(data=KeyError),
     "data a list": cupy_shaped(data=[BASE, False]),
     "data of three items": cupy_shaped(data=(BASE, False, 0)),
