@@ -140,6 +140,7 @@ TAKEN = {
     "a stride of any size where the extent is 1": cupy_shaped(shape=(1, 4), strides=(7, 4)),
     "strides of a dimension of extent 0": cupy_shaped(shape=(0, 4), strides=(3, 4)),
     "a typestr no three characters name": cupy_shaped(typestr="<c16", descr=[("", "<c16")]),
+    "a typestr whose size has a leading zero": cupy_shaped(typestr="<f04", descr=[("", "<f04")]),
     "a mask of None": cupy_shaped(mask=None),
     "an offset": cupy_shaped(offset=8),
     "no stream key": cupy_shaped(stream=KeyError),
