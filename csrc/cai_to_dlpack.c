@@ -406,7 +406,7 @@ static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *ou
      * on that str, and a wait lets go of the dict's (every typestr the parser accepts is ASCII). */
     if (typestr == NULL || !PyUnicode_CheckExact(typestr) || !PyUnicode_IS_COMPACT_ASCII(typestr))
         return 0;
-    if (cdl_lookup_typestr(typestr, &out->dtype) < 0 && cdl_name_ascii_typestr(typestr, &out->dtype) < 0)
+    if (cdl_name_ascii_typestr(typestr, &out->dtype) < 0)
         return 0;
     const int64_t itemsize = cdl_itemsize(out->dtype);
     if (data == NULL || !PyTuple_CheckExact(data) || PyTuple_GET_SIZE(data) != 2 ||

@@ -213,11 +213,9 @@ static inline int cdl_parse_dlpack_keywords(PyObject *const *args, Py_ssize_t na
 /* Returns 0 with *out filled, or -1 naming where (the interface) and the typestr: TypeError for a non-str,
  * UnsupportedArrayError for a type DLPack cannot describe. */
 int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out);
-/* The same for a compact ASCII str (the caller checks) of three characters ('<f4', '|b1'), without an exception:
- * 0 with *out filled, or -1 where cdl_parse_typestr must decide (and say why). */
-int cdl_lookup_typestr(PyObject *typestr, DLDataType *out);
-/* cdl_parse_typestr of a compact ASCII str (the caller checks) of any length, without an exception and without
- * calling into anything: 0 with *out filled, or -1 where the parser would refuse (and say why). */
+/* cdl_parse_typestr of a compact ASCII str (the caller checks), without an exception and without calling into
+ * anything (three characters by a table, else split): 0 with *out filled, or -1 where the parser would refuse
+ * (and say why). */
 int cdl_name_ascii_typestr(PyObject *typestr, DLDataType *out);
 /* The type of an interface: its typestr, or for a type no typestr names (bfloat16, float8, ...), the
  * name in its one-field descr or the name of obj's NumPy dtype (obj may be NULL); requested (NULL: none)

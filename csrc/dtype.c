@@ -227,20 +227,10 @@ int cdl_parse_typestr(PyObject *typestr, const char *where, DLDataType *out)
     return cdl_raise_no_equivalent(typestr, where);
 }
 
-int cdl_name_ascii_typestr(PyObject *typestr, DLDataType *out)
+/* What cdl_parse_typestr accepts of three characters ("<f4", "|b1") of a compact ASCII str, read in place by a
+ * table: the byte order, the kind, one digit. 0 with *out filled, or -1 where the split below must decide. */
+static inline int cdl_lookup_typestr(PyObject *typestr, DLDataType *out)
 {
-    char kind;
-    int itemsize;
-    if (cdl_split_text((const char *)PyUnicode_DATA(typestr), PyUnicode_GET_LENGTH(typestr), &kind, &itemsize) !=
-        CDL_TEXT_SPLIT)
-        return -1;
-    return cdl_dtype_from_kind(kind, itemsize, out);
-}
-
-int cdl_lookup_typestr(PyObject *typestr, DLDataType *out)
-{
-    /* What cdl_parse_typestr accepts of three characters, read in place: the byte order, the kind, one digit. The
-     * caller asked whether the str is compact ASCII. */
     if (PyUnicode_GET_LENGTH(typestr) != 3)
         return -1;
     const unsigned char *text = (const unsigned char *)PyUnicode_DATA(typestr);
@@ -255,6 +245,18 @@ int cdl_lookup_typestr(PyObject *typestr, DLDataType *out)
     out->bits = cdl_dtype_table[row].bits;
     out->lanes = 1;
     return 0;
+}
+
+int cdl_name_ascii_typestr(PyObject *typestr, DLDataType *out)
+{
+    if (cdl_lookup_typestr(typestr, out) == 0)
+        return 0;
+    char kind;
+    int itemsize;
+    if (cdl_split_text((const char *)PyUnicode_DATA(typestr), PyUnicode_GET_LENGTH(typestr), &kind, &itemsize) !=
+        CDL_TEXT_SPLIT)
+        return -1;
+    return cdl_dtype_from_kind(kind, itemsize, out);
 }
 
 /* The row whose name is the str name, or -1. */
