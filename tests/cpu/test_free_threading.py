@@ -330,6 +330,59 @@ def test_a_held_dict_switched_whole_by_another_thread_is_read_as_one_state():
         assert not sys._is_gil_enabled()
 
 
+def test_a_record_kept_while_its_dict_changes_never_serves_the_change():
+    """One thread changes a held dict and then converts it itself; others convert it all along, each keeping its
+    record. A reader that read the dict before a change and kept what it read after the change's event would leave
+    a record of the old state: the changer's own conversion, which comes after its change, would be served it. On
+    free-threaded builds records are kept of what the fused reader reads, and a store is refused once an event
+    came after the read; with the GIL the read and the store run with nothing between them."""
+    from cai_dlpack import _core
+
+    raw = np.zeros(64, dtype=np.float32)
+    base = raw.__array_interface__["data"][0]
+    states = [{"shape": (3, 4), "typestr": "<f4", "data": (base, False), "strides": (16, 4), "version": 3},
+              {"shape": (6, 2), "typestr": "<i2", "data": (base + 64, True), "strides": (4, 2), "version": 3},
+              {"shape": (5,), "typestr": "<u1", "data": (base + 8, False), "strides": None, "version": 3}]
+
+    def tensor_of(iface):
+        class Fresh:
+            __array_interface__ = dict(iface)
+
+        return read_capsule(cai2dlpack(Fresh(), max_version=(1, 0)))
+
+    expected = [tensor_of(state) for state in states]
+    shared = dict(states[0])
+
+    class Held:
+        __array_interface__ = shared
+
+    stop = threading.Event()
+    stale, reads, stores_before = [], [0], _core._interface_cache_info()["stores"]
+
+    def work(i):
+        if i == 0:
+            round_ = 0
+            while (round_ < 20000 or reads[0] < 50000) and round_ < 400000:
+                state = round_ % len(states)
+                shared.update(states[state])
+                seen = read_capsule(cai2dlpack(Held(), max_version=(1, 0)))
+                if seen != expected[state]:
+                    stale.append((round_, seen))
+                round_ += 1
+            stop.set()
+            return
+        while not stop.is_set():
+            read_capsule(cai2dlpack(Held(), max_version=(1, 0)))
+            reads[0] += 1
+
+    assert run_threads(work, 3) == []
+    assert stale == []
+    if _core._interface_cache_info()["enabled"]:
+        assert _core._interface_cache_info()["stores"] > stores_before  # records were kept all along
+    if FREE_THREADED:
+        assert not sys._is_gil_enabled()
+
+
 # ---- real threads against each shared structure, results checked (on 3.13t the GIL stays off throughout) ----
 
 class PerThreadInterface:
