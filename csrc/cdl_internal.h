@@ -526,6 +526,8 @@ PyObject *cdl_interface_cache_info(PyObject *module, PyObject *unused);
 /* _core._set_interface_cache(enabled): turns the kept records on or off (off: every dict read afresh);
  * returns the info above. */
 PyObject *cdl_set_interface_cache(PyObject *module, PyObject *enabled);
+/* _core._set_record_store_delay(microseconds): on free-threaded builds, a wait before each store (tests). */
+PyObject *cdl_set_record_store_delay(PyObject *module, PyObject *microseconds);
 
 /* cai_to_dlpack.c: interface dicts (and buffers) into the record, the record out as a capsule --- */
 /* Reads an interface dict into *out (obj: its object, or NULL; requested: the caller's dtype=, or

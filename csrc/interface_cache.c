@@ -4,6 +4,7 @@
 #include "cdl_internal.h"
 
 #include <string.h>
+#include <time.h>
 
 /* An object that holds its interface as a ready dict hands the same dict to every conversion. The record
  * read from it is kept, per dict, and reused while the dict is unchanged: reading and checking the dict is
@@ -44,6 +45,8 @@ typedef struct {
 static cdl_cache_slot cdl_cache[CDL_CACHE_SLOTS];
 static Py_ssize_t cdl_cache_hits, cdl_cache_stores;
 static int cdl_cache_off; /* _set_interface_cache(False): benchmarks and tests of the uncached path */
+/* _set_record_store_delay: microseconds each store waits on free-threaded builds, for tests (0: none). */
+static long cdl_cache_store_delay;
 #if PY_VERSION_HEX >= 0x030C0000
 static int cdl_cache_watcher = -1;                  /* -1: no watcher, nothing is kept */
 static PyInterpreterState *cdl_cache_interpreter; /* the watcher's (the main one); others keep and find nothing */
@@ -165,6 +168,11 @@ void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t ticket, const c
 #if PY_VERSION_HEX < 0x030C0000
     slot->version = ticket;
 #elif defined(Py_GIL_DISABLED)
+    const long delay = __atomic_load_n(&cdl_cache_store_delay, __ATOMIC_RELAXED);
+    if (delay > 0) {
+        struct timespec wait = {delay / 1000000, delay % 1000000 * 1000};
+        nanosleep(&wait, NULL);
+    }
     /* The dict stays watched when its record goes: another's unwatch would write its watched bits outside its
      * critical section. Its later changes cost an event that finds no slot. */
     CDL_SLOT_LOCK(slot);
@@ -247,4 +255,18 @@ PyObject *cdl_set_interface_cache(PyObject *module, PyObject *enabled)
         cdl_cache_clear(); /* on 3.12+ the dicts stay watched; their events find no slot */
 #endif
     return cdl_interface_cache_info(module, NULL);
+}
+
+PyObject *cdl_set_record_store_delay(PyObject *module, PyObject *microseconds)
+{
+    (void)module;
+    long delay = PyLong_AsLong(microseconds);
+    if (delay == -1 && PyErr_Occurred())
+        return NULL;
+    if (delay < 0 || delay > 1000000) {
+        PyErr_Format(PyExc_ValueError, "_set_record_store_delay: microseconds must be 0 to 1000000, not %ld", delay);
+        return NULL;
+    }
+    __atomic_store_n(&cdl_cache_store_delay, delay, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
 }

@@ -335,7 +335,8 @@ def test_a_record_kept_while_its_dict_changes_never_serves_the_change():
     record. A reader that read the dict before a change and kept what it read after the change's event would leave
     a record of the old state: the changer's own conversion, which comes after its change, would be served it. On
     free-threaded builds records are kept of what the fused reader reads, and a store is refused once an event
-    came after the read; with the GIL the read and the store run with nothing between them."""
+    came after the read (there, each store waits 200 microseconds first, for the changes to land between a read
+    and its store); with the GIL the read and the store run with nothing between them."""
     from cai_dlpack import _core
 
     raw = np.zeros(64, dtype=np.float32)
@@ -362,7 +363,7 @@ def test_a_record_kept_while_its_dict_changes_never_serves_the_change():
     def work(i):
         if i == 0:
             round_ = 0
-            while (round_ < 20000 or reads[0] < 50000) and round_ < 400000:
+            while (round_ < 5000 or reads[0] < 5000) and round_ < 100000:
                 state = round_ % len(states)
                 shared.update(states[state])
                 seen = read_capsule(cai2dlpack(Held(), max_version=(1, 0)))
@@ -375,7 +376,11 @@ def test_a_record_kept_while_its_dict_changes_never_serves_the_change():
             read_capsule(cai2dlpack(Held(), max_version=(1, 0)))
             reads[0] += 1
 
-    assert run_threads(work, 3) == []
+    _core._set_record_store_delay(200)
+    try:
+        assert run_threads(work, 3) == []
+    finally:
+        _core._set_record_store_delay(0)
     assert stale == []
     if _core._interface_cache_info()["enabled"]:
         assert _core._interface_cache_info()["stores"] > stores_before  # records were kept all along
