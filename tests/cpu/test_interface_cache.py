@@ -388,6 +388,44 @@ def test_the_test_hook_turns_keeping_off_and_on_and_raises_what_truth_raises():
     assert converted(holding(iface))[0] == (1, 0)
 
 
+@pytest.mark.parametrize("value, error, match", [
+    (-1, ValueError, "microseconds must be 0 to 1000000, not -1"),
+    (1000001, ValueError, "microseconds must be 0 to 1000000, not 1000001"),
+    (2 ** 70, OverflowError, "too large"),
+    ("5", TypeError, "integer"),
+], ids=["negative", "past a second", "past a C long", "a str"])
+def test_the_store_delay_hook_refuses_what_is_not_a_number_of_microseconds(value, error, match):
+    """_set_record_store_delay takes 0 to 1000000 microseconds; anything else raises and leaves it as it was."""
+    with pytest.raises(error, match=match):
+        _core._set_record_store_delay(value)
+    for good in (0, 1000000):
+        assert _core._set_record_store_delay(good) is None
+    _core._set_record_store_delay(0)
+
+
+@kept_only
+@pytest.mark.skipif(not bool(__import__("sysconfig").get_config_var("Py_GIL_DISABLED")),
+                    reason="with the GIL a record is kept as soon as it is read: the hook makes nothing wait")
+def test_the_store_delay_makes_each_store_wait_and_no_reuse():
+    """On free-threaded builds each store waits the hook's delay first (the window the threads test needs); a
+    record's reuse does not wait, and 0 turns the wait off."""
+    import time
+
+    made = holding(dict(np.arange(6.0).__array_interface__))
+    _core._set_record_store_delay(1000000)
+    try:
+        began = time.monotonic()
+        assert converted(made)[0] == (0, 1)
+        stored = time.monotonic() - began
+        assert converted(made)[0] == (1, 0)
+    finally:
+        _core._set_record_store_delay(0)
+    assert stored >= 1.0
+    made.__array_interface__["shape"] = (3, 2)
+    began = time.monotonic()
+    assert converted(made)[0] == (0, 1)
+    assert time.monotonic() - began < 1.0
+
 @pytest.mark.parametrize("length", [0, 4], ids=["empty", "four bytes"])
 def test_a_dict_over_a_buffer_object_is_never_kept(length):
     """A buffer object's memory is held by an export per conversion, and can move between them (a bytearray that
