@@ -71,21 +71,31 @@ struct cdl_export_block {
 };
 
 /* A few freed blocks with room for the common dimension counts are kept for the next export, which then costs
- * no allocation. Only where a GIL guards them: the list is touched exactly where PyMem_Malloc and PyMem_Free
- * are called, which need the GIL themselves (the module is single-phase, so one interpreter's allocator). A
- * free-threaded build allocates each block. */
+ * no allocation. The list is touched exactly where PyMem_Malloc and PyMem_Free are called, which need the GIL (an
+ * attached thread on a free-threaded build) themselves; the module is single-phase, so one interpreter's
+ * allocator. With the GIL that guards it; free-threaded builds hold a lock for the pop or the push (freeing a
+ * block on one thread that another allocated is as PyMem_Free allows). */
 #define CDL_KEPT_NDIM 4
-#ifndef Py_GIL_DISABLED
 #define CDL_KEPT_BLOCKS 8
 static cdl_export_block *cdl_kept_blocks[CDL_KEPT_BLOCKS];
 static int cdl_kept_count;
+#ifdef Py_GIL_DISABLED
+static cdl_lock cdl_kept_lock = CDL_LOCK_INITIALIZER;
 #endif
 
 /* A block with room for ndim dimensions (uninitialised), or NULL. */
 static cdl_export_block *cdl_block_new(size_t ndim)
 {
     const int keepable = ndim <= CDL_KEPT_NDIM;
-#ifndef Py_GIL_DISABLED
+#ifdef Py_GIL_DISABLED
+    if (keepable) {
+        cdl_lock_acquire(&cdl_kept_lock);
+        cdl_export_block *kept = cdl_kept_count > 0 ? cdl_kept_blocks[--cdl_kept_count] : NULL;
+        cdl_lock_release(&cdl_kept_lock);
+        if (kept != NULL)
+            return kept;
+    }
+#else
     if (keepable && cdl_kept_count > 0)
         return cdl_kept_blocks[--cdl_kept_count];
 #endif
@@ -98,7 +108,17 @@ static cdl_export_block *cdl_block_new(size_t ndim)
 
 static void cdl_block_dispose(cdl_export_block *block)
 {
-#ifndef Py_GIL_DISABLED
+#ifdef Py_GIL_DISABLED
+    if (block->keepable) {
+        cdl_lock_acquire(&cdl_kept_lock);
+        const int kept = cdl_kept_count < CDL_KEPT_BLOCKS;
+        if (kept)
+            cdl_kept_blocks[cdl_kept_count++] = block;
+        cdl_lock_release(&cdl_kept_lock);
+        if (kept)
+            return;
+    }
+#else
     if (block->keepable && cdl_kept_count < CDL_KEPT_BLOCKS) {
         cdl_kept_blocks[cdl_kept_count++] = block;
         return;

@@ -402,6 +402,39 @@ class PerThreadInterface:
         return self.local.array.__cuda_array_interface__
 
 
+def test_kept_blocks_taken_and_given_back_by_many_threads_are_each_one_exports():
+    """Exports take freed blocks from the kept list and give them back when dropped, from every thread at once (a lock
+    on free-threaded builds, the GIL elsewhere): no block is ever two held exports' at once, and each export's shape,
+    strides and pointer are its own array's."""
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    arrays = [np.zeros((i % 4 + 1,) * (i % 4 + 1), dtype=np.float32) for i in range(THREADS)]
+    shared, problems, lock = set(), [], threading.Lock()
+
+    def work(i):
+        array = arrays[i]
+        want = (array.shape, array.__array_interface__["data"][0])
+        for _ in range(3000):
+            held = [cai2dlpack(array) for _ in range(3)]
+            tensors = [get_pointer(capsule, b"dltensor") for capsule in held]
+            with lock:
+                if shared & set(tensors) or len(set(tensors)) != 3:
+                    problems.append(("shared", i))
+                shared.update(tensors)
+            for capsule in held:
+                got = read_capsule(capsule)
+                if (got["shape"], got["data"]) != want:
+                    problems.append((i, got))
+            with lock:
+                shared.difference_update(tensors)
+            del held
+
+    assert run_threads(work) == []
+    assert problems == []
+    if FREE_THREADED:
+        assert not sys._is_gil_enabled()
+
+
 def test_the_shims_pending_reading_is_used_only_by_the_thread_that_read_it(cudart):
     """One shim, many threads, each asking __dlpack_device__ (which reads the interface and keeps the reading for
     the next call) then __dlpack__ (which takes it), as consumers do. Each thread must get its own array, never

@@ -625,8 +625,6 @@ def traced_by_holding(array, count=1):
     return sum(stat.count for stat in mine), sum(stat.size for stat in mine)
 
 
-@pytest.mark.skipif(FREE_THREADED,
-                    reason="a free-threaded build allocates each export's block (keeping freed ones would need a lock)")
 def test_the_blocks_of_eight_dropped_exports_serve_the_next_eight():
     """An export of up to four dimensions takes a block that an earlier one gave back, while any is kept (eight at
     most): after eight held exports are dropped, eight more allocate only their capsules; a ninth its block too."""
