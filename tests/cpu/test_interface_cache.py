@@ -388,6 +388,28 @@ def test_the_test_hook_turns_keeping_off_and_on_and_raises_what_truth_raises():
     assert converted(holding(iface))[0] == (1, 0)
 
 
+@kept_only
+def test_turning_keeping_off_forgets_the_record_of_every_slot():
+    """Off empties every slot, not only the ones its dicts' events would: turned on again, each dict kept before
+    (one in each of the four slots, picked by its address) is read and kept afresh, never served the old record."""
+    x = np.arange(6.0)
+    made, slots = [], set()
+    while len(slots) < 4:
+        holder = holding(dict(x.__array_interface__))
+        made.append(holder)
+        slots.add(id(holder.__array_interface__) >> 6 & 3)
+    kept = {id(h.__array_interface__) >> 6 & 3: h for h in made}
+    for holder in kept.values():
+        assert converted(holder)[0] == (0, 1)
+        assert converted(holder)[0] == (1, 0)
+    try:
+        _core._set_interface_cache(False)
+    finally:
+        _core._set_interface_cache(True)
+    for slot, holder in sorted(kept.items()):
+        assert (slot, converted(holder)[0]) == (slot, (0, 1))
+
+
 @pytest.mark.parametrize("value, error, match", [
     (-1, ValueError, "microseconds must be 0 to 1000000, not -1"),
     (1000001, ValueError, "microseconds must be 0 to 1000000, not 1000001"),
