@@ -402,6 +402,46 @@ class PerThreadInterface:
         return self.local.array.__cuda_array_interface__
 
 
+def test_two_dicts_taking_one_slot_in_turn_are_each_read_whole():
+    """Two held dicts whose records take the same slot (picked by address), converted in turn by many threads: each
+    conversion of one evicts the other's record and keeps its own, while other threads copy the record out. The
+    slot's lock keeps a copy from meeting a store halfway: every tensor is one dict's, never one's shape with the
+    other's strides or pointer."""
+    raw = np.zeros(256, dtype=np.float32)
+    base = raw.__array_interface__["data"][0]
+    states = [{"shape": (3, 4), "typestr": "<f4", "data": (base, False), "strides": (16, 4), "version": 3},
+              {"shape": (2, 2, 8), "typestr": "<i2", "data": (base + 128, True), "strides": (32, 16, 2),
+               "version": 3}]
+
+    def tensor_of(iface):
+        class Fresh:
+            __array_interface__ = dict(iface)
+
+        return read_capsule(cai2dlpack(Fresh(), max_version=(1, 0)))
+
+    expected = [tensor_of(state) for state in states]
+    made, holders = [], {}
+    while len(holders) < 2:  # two dicts of one slot, one of each state
+        iface = dict(states[len(holders)])
+        made.append(iface)
+        slot = id(iface) >> 6 & 3
+        if not holders or slot == next(iter(holders.values()))[1]:
+            holders[len(holders)] = (type("Held", (), {"__array_interface__": iface}), slot)
+    torn = []
+
+    def work(i):
+        for round_ in range(20000 if FREE_THREADED else 2000):
+            which = (i + round_) % 2
+            seen = read_capsule(cai2dlpack(holders[which][0](), max_version=(1, 0)))
+            if seen != expected[which]:
+                torn.append((which, seen))
+
+    assert run_threads(work, 4) == []
+    assert torn == []
+    if FREE_THREADED:
+        assert not sys._is_gil_enabled()
+
+
 def test_kept_blocks_taken_and_given_back_by_many_threads_are_each_one_exports():
     """Exports take freed blocks from the kept list and give them back when dropped, from every thread at once (a lock
     on free-threaded builds, the GIL elsewhere): no block is ever two held exports' at once, and each export's shape,
