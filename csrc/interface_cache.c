@@ -111,6 +111,18 @@ uint64_t cdl_cache_ticket(PyObject *dict)
 #endif
 }
 
+#ifdef Py_GIL_DISABLED
+/* _set_record_store_delay's wait (tests only; none by default). */
+static void cdl_cache_store_wait(void)
+{
+    const long delay = __atomic_load_n(&cdl_cache_store_delay, __ATOMIC_RELAXED);
+    if (delay > 0) {
+        struct timespec wait = {delay / 1000000, delay % 1000000 * 1000};
+        nanosleep(&wait, NULL);
+    }
+}
+#endif
+
 #if PY_VERSION_HEX >= 0x030C0000
 /* Any event of a watched dict (a change, a clear, its deallocation) empties its slot. */
 static int cdl_cache_on_dict_event(PyDict_WatchEvent event, PyObject *dict, PyObject *key, PyObject *value)
@@ -168,11 +180,9 @@ void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t ticket, const c
 #if PY_VERSION_HEX < 0x030C0000
     slot->version = ticket;
 #elif defined(Py_GIL_DISABLED)
-    const long delay = __atomic_load_n(&cdl_cache_store_delay, __ATOMIC_RELAXED);
-    if (delay > 0) {
-        struct timespec wait = {delay / 1000000, delay % 1000000 * 1000};
-        nanosleep(&wait, NULL);
-    }
+    /* The test hook's wait, before the lock and again inside it: a change may land between the read and the
+     * ticket's check, and (an event that did not take the lock) between the check and the store. */
+    cdl_cache_store_wait();
     /* The dict stays watched when its record goes: another's unwatch would write its watched bits outside its
      * critical section. Its later changes cost an event that finds no slot. */
     CDL_SLOT_LOCK(slot);
@@ -180,6 +190,7 @@ void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t ticket, const c
         CDL_SLOT_UNLOCK(slot);
         return; /* the dict may have changed since it was read (or could not be watched) */
     }
+    cdl_cache_store_wait();
 #else
     (void)ticket;
     if (slot->dict != NULL && slot->dict != dict && PyDict_Unwatch(cdl_cache_watcher, slot->dict) < 0)
