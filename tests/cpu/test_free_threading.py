@@ -265,10 +265,14 @@ def test_a_descr_list_changed_by_another_thread_is_read_whole():
 
     def work(i):
         if i == 0:
-            for round_ in range(3000):
+            # At least 3000 rounds, and on until the readers have seen both states (the changer can otherwise finish
+            # before a reader has started: CI's 3.13t stage once saw no named read at all).
+            round_, deadline = 0, time.monotonic() + 30
+            while round_ < 3000 or (min(outcomes.values()) < 10 and time.monotonic() < deadline):
                 descr[0] = ("", "<V2") if round_ % 2 else ("bfloat16", "<V2")
                 descr.append(("extra", "|u1")) if round_ % 3 == 0 else None
                 del descr[1:]
+                round_ += 1
             stop.set()
             return
         while not stop.is_set():
@@ -283,7 +287,7 @@ def test_a_descr_list_changed_by_another_thread_is_read_whole():
                 outcomes["named"] += 1
 
     assert run_threads(work, 4) == []
-    assert outcomes["named"] > 0
+    assert outcomes["named"] > 0 and outcomes["refused"] > 0
 
 
 def test_a_held_dict_switched_whole_by_another_thread_is_read_as_one_state():
