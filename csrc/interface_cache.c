@@ -52,6 +52,23 @@ uint64_t cdl_cache_version(PyObject *dict)
 }
 
 #if PY_VERSION_HEX >= 0x030C0000
+/* Whether a watcher other than ours watches the dict: its bits are the low 8 of the 64-bit tag after ma_used
+ * (ma_version_tag on 3.12 and 3.13, _ma_watcher_tag from 3.14). CPython calls a dict's watchers before the change
+ * is made. One called after ours may let the changing thread wait (a callback that runs Python code lets go of
+ * the GIL); a reader then reads the state from before, and no event follows the change to drop what it keeps. */
+static inline int cdl_cache_others_watch(PyObject *dict)
+{
+#if PY_VERSION_HEX >= 0x030E0000
+    uint64_t tag = ((PyDictObject *)dict)->_ma_watcher_tag;
+#else
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    uint64_t tag = ((PyDictObject *)dict)->ma_version_tag;
+#pragma GCC diagnostic pop
+#endif
+    return (tag & 0xFF & ~(UINT64_C(1) << cdl_cache_watcher)) != 0;
+}
+
 /* Any event of a watched dict (a change, a clear, its deallocation) empties its slot. */
 static int cdl_cache_on_dict_event(PyDict_WatchEvent event, PyObject *dict, PyObject *key, PyObject *value)
 {
@@ -106,6 +123,11 @@ void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t version, const 
     slot->version = version;
 #else
     (void)version;
+    /* Another watcher's callback may be holding up a change this read missed (above): such a dict is not kept.
+     * It is checked here only: a record kept earlier is emptied by our event, which another watcher's wait
+     * follows or, for a watcher called before ours, precedes with the old state still the dict's. */
+    if (cdl_cache_others_watch(dict))
+        return;
     if (slot->dict != NULL && slot->dict != dict && PyDict_Unwatch(cdl_cache_watcher, slot->dict) < 0)
         PyErr_Clear(); /* cannot fail for a live dict and our own watcher; it only stays watched */
     slot->dict = NULL;

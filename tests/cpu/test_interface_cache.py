@@ -367,6 +367,36 @@ def test_with_every_dict_watcher_taken_nothing_is_kept_and_every_dict_is_read():
 
 
 @kept_only
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="dict watchers exist from CPython 3.12 on; 3.11 keeps records "
+                    "by version tags, which no other watcher can hold up")
+def test_a_dict_another_watcher_watches_is_read_each_time_and_kept_once_it_stops():
+    """Another watcher's callback may hold up a change after our event (test_free_threading has the race): a dict
+    it watches is read afresh at every conversion and never kept; once it stops watching, the dict is kept again."""
+    _testcapi = pytest.importorskip("_testcapi", reason="CPython's _testcapi adds the second dict watcher")
+    x = np.arange(6.0)
+    iface = dict(x.__array_interface__)
+    made = holding(iface)
+    watcher = _testcapi.add_dict_watcher(0)  # its callback records events and never fails
+    try:
+        _testcapi.watch_dict(watcher, iface)
+        for _ in range(3):
+            took, array = converted(made)
+            assert took == (0, 0)
+            np.testing.assert_array_equal(array, x)
+        iface["shape"] = (3,)
+        took, array = converted(made)
+        assert took == (0, 0)
+        np.testing.assert_array_equal(array, x[:3])
+        _testcapi.unwatch_dict(watcher, iface)
+    finally:
+        _testcapi.clear_dict_watcher(watcher)
+    assert converted(made)[0] == (0, 1)
+    took, array = converted(made)
+    assert took == (1, 0)
+    np.testing.assert_array_equal(array, x[:3])
+
+
+@kept_only
 def test_the_test_hook_turns_keeping_off_and_on_and_raises_what_truth_raises():
     """_set_interface_cache (the tests' switch) takes any object's truth: off keeps nothing and reuses nothing,
     on keeps again, and an object whose truth raises leaves the setting as it was, with its own error."""
