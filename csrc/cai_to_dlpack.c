@@ -139,7 +139,7 @@ enum { CDL_VERSION, CDL_SHAPE, CDL_TYPESTR, CDL_DATA, CDL_STRIDES, CDL_STREAM, C
 /* Collects the entries of iface into entries[] (new references; NULL when absent) in one pass over the
  * dict rather than one lookup per key. Producers' keys are interned string literals, so identity
  * decides almost always; other strings are compared by value. Runs no Python code. */
-static void cdl_collect_entries(PyObject *iface, PyObject **entries)
+static void cdl_collect_entries(PyObject *iface, PyObject **entries, uint64_t *ticket)
 {
     PyObject *const names[CDL_ENTRIES] = {cdl_name.version, cdl_name.shape, cdl_name.typestr, cdl_name.data,
                                           cdl_name.strides, cdl_name.stream, cdl_name.mask, cdl_name.offset,
@@ -150,6 +150,7 @@ static void cdl_collect_entries(PyObject *iface, PyObject **entries)
     PyObject *key, *value;
     /* Borrowed key and value, each taken by a new reference before another thread could change the dict. */
     CDL_BEGIN_CRITICAL_SECTION(iface);
+    *ticket = cdl_cache_ticket(iface);
     while (PyDict_Next(iface, &position, &key, &value)) {
         int i = 0;
         while (i < CDL_ENTRIES && key != names[i])
@@ -507,18 +508,26 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
         return -1;
     }
 #ifdef Py_GIL_DISABLED
-    /* A dict only this call holds: no other thread can reach it. One held elsewhere (free-threaded builds keep no
-     * records): the fused reader too, inside the dict's critical section. */
+    /* A dict only this call holds: no other thread can reach it. One held elsewhere: its kept record, else the
+     * fused reader too, inside the dict's critical section, whose answer is kept (cdl_cache_ticket watches the
+     * dict and takes its slot's count there, before the read). */
     const int held = Py_REFCNT(iface) > 1;
     if (requested == NULL && PyDict_CheckExact(iface) && (!held || !cdl_held_fused_off)) {
+        if (held && cdl_cache_find(iface, source, out))
+            return cdl_set_device(out, source);
         PyCriticalSection section;
-        if (held)
+        uint64_t ticket = 0;
+        if (held) {
             PyCriticalSection_Begin(&section, iface);
+            ticket = cdl_cache_ticket(iface);
+        }
         const int fused = cdl_read_fresh_dict(iface, source, out);
         if (held)
             PyCriticalSection_End(&section);
         if (fused) {
             cdl_count_fused_read();
+            if (held)
+                cdl_cache_store(iface, source, ticket, out);
             return cdl_set_device(out, source);
         }
     }
@@ -534,10 +543,10 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
 #endif
     if (requested == NULL && cdl_cache_find(iface, source, out))
         return cdl_set_device(out, source);
-    const uint64_t dict_version = cdl_cache_version(iface);
     /* Strong references: reading a buffer object may run Python code that changes the dict. */
     PyObject *entries[CDL_ENTRIES];
-    cdl_collect_entries(iface, entries);
+    uint64_t ticket;
+    cdl_collect_entries(iface, entries, &ticket);
     int status = -1;
 
     PyObject *value = cdl_required(entries, CDL_VERSION, source);
@@ -637,7 +646,7 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
     value = entries[CDL_STRIDES];
     if (!named && Py_REFCNT(iface) > 1 && buffer_length < 0 && PyTuple_Check(shape) && !strides_listed &&
         (value == NULL || value == Py_None || PyTuple_Check(value)))
-        cdl_cache_store(iface, source, dict_version, out);
+        cdl_cache_store(iface, source, ticket, out);
     status = cdl_set_device(out, source);
 done:
     if (status < 0)

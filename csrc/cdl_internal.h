@@ -512,10 +512,13 @@ static inline int cdl_device_accessible(DLDeviceType type)
 /* interface_cache.c: the records kept of unchanged ready interface dicts ------------------------ */
 /* 1 with *out filled (all but the device fields) from the record kept of dict, unchanged since, else 0. */
 int cdl_cache_find(PyObject *dict, cdl_source source, cdl_array *out);
-/* What cdl_cache_store needs to know the dict was unchanged while it was read (its version tag on 3.11). */
-uint64_t cdl_cache_version(PyObject *dict);
-/* Keeps arr as what dict, read at version, says (when records are kept here and now). */
-void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t version, const cdl_array *arr);
+/* What cdl_cache_store needs to know the dict was unchanged since it was read: its version tag on 3.11; on
+ * free-threaded builds the dict is watched from here on and the count of its slot's changes is taken, so this is
+ * asked inside the dict's critical section, before its entries are read. */
+uint64_t cdl_cache_ticket(PyObject *dict);
+/* Keeps arr as what dict, read under ticket, says (when records are kept here and now, and on free-threaded builds
+ * only if no change came to the dict's slot since the ticket). */
+void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t ticket, const cdl_array *arr);
 /* Sets up the kept records of validated interface dicts (a dict watcher on 3.12+); 0 (never fails). */
 int cdl_interface_cache_init(void);
 /* _core._interface_cache_info(): {"enabled": bool, "hits": int, "stores": int}, for tests. */
@@ -523,6 +526,8 @@ PyObject *cdl_interface_cache_info(PyObject *module, PyObject *unused);
 /* _core._set_interface_cache(enabled): turns the kept records on or off (off: every dict read afresh);
  * returns the info above. */
 PyObject *cdl_set_interface_cache(PyObject *module, PyObject *enabled);
+/* _core._set_record_store_delay(microseconds): on free-threaded builds, a wait before each store (tests). */
+PyObject *cdl_set_record_store_delay(PyObject *module, PyObject *microseconds);
 
 /* cai_to_dlpack.c: interface dicts (and buffers) into the record, the record out as a capsule --- */
 /* Reads an interface dict into *out (obj: its object, or NULL; requested: the caller's dtype=, or

@@ -84,6 +84,11 @@ static PyMethodDef cdl_module_methods[] = {
      "_set_interface_cache($module, enabled, /)\n--\n\n"
      "Keeps validated interface dicts (True, the default) or reads every dict afresh (False), for benchmarks "
      "and tests; returns _interface_cache_info()."},
+    {"_set_record_store_delay", cdl_set_record_store_delay, METH_O,
+     "_set_record_store_delay($module, microseconds, /)\n--\n\n"
+     "On a free-threaded build, each record of a dict read elsewhere waits this long before its slot's lock and "
+     "again holding it (0, the default: no wait), so that tests can land another thread's change between a read "
+     "and its store."},
     {"_fused_reads", cdl_fused_reads_count, METH_NOARGS,
      "_fused_reads($module, /)\n--\n\n"
      "How many interface dicts (a property's fresh dict, or on a free-threaded build one held elsewhere) were "

@@ -335,10 +335,13 @@ def test_a_held_dict_switched_whole_by_another_thread_is_read_as_one_state():
 
 
 def test_a_record_kept_while_its_dict_changes_never_serves_the_change():
-    """One thread changes a held dict and then converts it itself; others convert it all along. A reader that read
-    the dict before a change and kept what it read after the change would leave a record of the old state: the
-    changer's own conversion would be served it. With the GIL the read and the store run with nothing between
-    them; free-threaded builds keep no records (one kept by watcher events alone failed here, see the README)."""
+    """One thread changes a held dict and then, once the stores under way have had time to land, converts it
+    itself; others convert it all along, each keeping its record. A reader that read the dict before a change and
+    kept what it read after the change's event would leave a record of the old state: the changer's own
+    conversion would be served it. On
+    free-threaded builds records are kept of what the fused reader reads, and a store is refused once an event
+    came after the read (there, each store waits 200 microseconds before its slot's lock and again holding it,
+    for the changes to land between a read and its store); with the GIL the read and the store run with nothing between them."""
     from cai_dlpack import _core
 
     raw = np.zeros(64, dtype=np.float32)
@@ -368,6 +371,8 @@ def test_a_record_kept_while_its_dict_changes_never_serves_the_change():
             while (round_ < 3000 or reads[0] < 5000) and round_ < 100000:
                 state = round_ % len(states)
                 shared.update(states[state])
+                if FREE_THREADED:
+                    time.sleep(0.0005)  # past the stores that read the dict before the change (two waits of 200 us)
                 seen = read_capsule(cai2dlpack(Held(), max_version=(1, 0)))
                 if seen != expected[state]:
                     stale.append((round_, seen))
@@ -378,7 +383,11 @@ def test_a_record_kept_while_its_dict_changes_never_serves_the_change():
             read_capsule(cai2dlpack(Held(), max_version=(1, 0)))
             reads[0] += 1
 
-    assert run_threads(work, 3) == []
+    _core._set_record_store_delay(200)
+    try:
+        assert run_threads(work, 3) == []
+    finally:
+        _core._set_record_store_delay(0)
     assert stale == []
     if _core._interface_cache_info()["enabled"]:
         assert _core._interface_cache_info()["stores"] > stores_before  # records were kept all along

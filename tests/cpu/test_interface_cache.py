@@ -5,7 +5,6 @@ changing, must still be read afresh. _interface_cache_info() counts reuses ("hit
 import json
 import subprocess
 import sys
-import sysconfig
 import textwrap
 
 import numpy as np
@@ -16,7 +15,6 @@ from support.cai_objects import CaiArray, register
 from support.cuda_double import DEVICE, PINNED_HOST
 
 S1, S2 = 0x5000, 0x6000
-FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 kept_only = pytest.mark.skipif(
     not _core._interface_cache_info()["enabled"],
@@ -421,9 +419,9 @@ def test_the_test_hook_turns_keeping_off_and_on_and_raises_what_truth_raises():
 
 
 def test_records_are_kept_in_this_interpreter():
-    """The main interpreter keeps records on every CPython with the GIL but 3.13.0: the tests above that need them
-    skip where none are kept, so this says where that must not be."""
-    expected = sys.version_info[:3] != (3, 13, 0) and not FREE_THREADED
+    """The main interpreter keeps records on every CPython but 3.13.0 (free-threaded builds included): the tests
+    above that need them skip where none are kept, so this says where that must not be."""
+    expected = sys.version_info[:3] != (3, 13, 0)
     assert _core._interface_cache_info()["enabled"] is expected
 
 
@@ -447,6 +445,45 @@ def test_turning_keeping_off_forgets_the_record_of_every_slot():
         _core._set_interface_cache(True)
     for slot, holder in sorted(kept.items()):
         assert (slot, converted(holder)[0]) == (slot, (0, 1))
+
+
+@pytest.mark.parametrize("value, error, match", [
+    (-1, ValueError, "microseconds must be 0 to 1000000, not -1"),
+    (1000001, ValueError, "microseconds must be 0 to 1000000, not 1000001"),
+    (2 ** 70, OverflowError, "too large"),
+    ("5", TypeError, "integer"),
+], ids=["negative", "past a second", "past a C long", "a str"])
+def test_the_store_delay_hook_refuses_what_is_not_a_number_of_microseconds(value, error, match):
+    """_set_record_store_delay takes 0 to 1000000 microseconds; anything else raises and leaves it as it was."""
+    with pytest.raises(error, match=match):
+        _core._set_record_store_delay(value)
+    for good in (0, 1000000):
+        assert _core._set_record_store_delay(good) is None
+    _core._set_record_store_delay(0)
+
+
+@kept_only
+@pytest.mark.skipif(not bool(__import__("sysconfig").get_config_var("Py_GIL_DISABLED")),
+                    reason="with the GIL a record is kept as soon as it is read: the hook makes nothing wait")
+def test_the_store_delay_makes_each_store_wait_and_no_reuse():
+    """On free-threaded builds each store waits the hook's delay, twice (the windows the threads test needs); a
+    record's reuse does not wait, and 0 turns the wait off."""
+    import time
+
+    made = holding(dict(np.arange(6.0).__array_interface__))
+    _core._set_record_store_delay(500000)
+    try:
+        began = time.monotonic()
+        assert converted(made)[0] == (0, 1)
+        stored = time.monotonic() - began
+        assert converted(made)[0] == (1, 0)
+    finally:
+        _core._set_record_store_delay(0)
+    assert stored >= 1.0  # half a second before the lock, half inside it
+    made.__array_interface__["shape"] = (3, 2)
+    began = time.monotonic()
+    assert converted(made)[0] == (0, 1)
+    assert time.monotonic() - began < 0.5
 
 
 @pytest.mark.parametrize("length", [0, 4], ids=["empty", "four bytes"])
