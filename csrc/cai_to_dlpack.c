@@ -509,8 +509,8 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
     }
 #ifdef Py_GIL_DISABLED
     /* A dict only this call holds: no other thread can reach it. One held elsewhere: its kept record, else the
-     * fused reader too, inside the dict's critical section, whose answer is kept (cdl_cache_ticket watches the
-     * dict and takes its slot's count there, before the read). */
+     * fused reader too, inside the dict's critical section, whose answer is kept (cdl_cache_ticket takes the dict's
+     * version tag there, before the read). */
     const int held = Py_REFCNT(iface) > 1;
     if (requested == NULL && PyDict_CheckExact(iface) && (!held || !cdl_held_fused_off)) {
         if (held && cdl_cache_find(iface, source, out))

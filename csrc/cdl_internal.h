@@ -512,14 +512,13 @@ static inline int cdl_device_accessible(DLDeviceType type)
 /* interface_cache.c: the records kept of unchanged ready interface dicts ------------------------ */
 /* 1 with *out filled (all but the device fields) from the record kept of dict, unchanged since, else 0. */
 int cdl_cache_find(PyObject *dict, cdl_source source, cdl_array *out);
-/* What cdl_cache_store needs to know the dict was unchanged since it was read: its version tag on 3.11; on
- * free-threaded builds the dict is watched from here on and the count of its slot's changes is taken, so this is
- * asked inside the dict's critical section, before its entries are read. */
+/* What cdl_cache_store needs to know the dict was unchanged since it was read: its version tag (none: 3.14+, or a
+ * split table), asked before its entries are read (on free-threaded builds inside the dict's critical section). */
 uint64_t cdl_cache_ticket(PyObject *dict);
-/* Keeps arr as what dict, read under ticket, says (when records are kept here and now, and on free-threaded builds
- * only if no change came to the dict's slot since the ticket). */
+/* Keeps arr as what dict, read under ticket, says (when records are kept here and now); found only while the
+ * dict's tag is still the ticket. */
 void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t ticket, const cdl_array *arr);
-/* Sets up the kept records of validated interface dicts (a dict watcher on 3.12+); 0 (never fails). */
+/* Sets up the kept records of validated interface dicts (empty, and from 3.12 whose interpreter keeps them); 0. */
 int cdl_interface_cache_init(void);
 /* _core._interface_cache_info(): {"enabled": bool, "hits": int, "stores": int}, for tests. */
 PyObject *cdl_interface_cache_info(PyObject *module, PyObject *unused);

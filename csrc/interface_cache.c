@@ -11,32 +11,32 @@
  * most of a conversion. Kept only when nothing in the record can change without the dict changing: the
  * values read are immutable (tuples, ints, str), the type comes from the typestr alone (not from a descr
  * list or the object), the data is a (pointer, read_only) pair (not a buffer), and no dtype= was asked.
- * "Unchanged" is the dict's version tag on 3.11 (every change gives a dict a new one, never reused) and a
- * dict watcher on 3.12 and later (a change or the dict's end empties its slot). A dict only this call
- * holds (a property's fresh dict) is never kept: it is about to go. A CAI pointer's device is asked again
- * on every conversion. On 3.12+ off in interpreters other than the main one, and on CPython 3.13.0, whose
- * watchers miss changes (below).
+ * A dict only this call holds (a property's fresh dict) is never kept: it is about to go. A CAI pointer's
+ * device is asked again on every conversion.
  *
- * Free-threaded builds: each slot has a lock, and a count of the events of the dicts it may hold. A dict's
- * record is read between one thread's reading of the dict and its store, while another changes the dict: the
- * event (sent before the change is made, inside the dict's critical section) empties the slot, but the store
- * that follows it would keep the state from before the change. So the reader watches the dict and takes the
- * slot's count inside the dict's critical section, before reading it (cdl_cache_ticket), and stores only if the
- * count is unchanged. A slot's lock is a spin lock, held only to copy a record: the event comes inside the
- * critical section of the dict that changes, and a PyMutex that has to wait detaches the thread, which lets go
- * of that section halfway through a change (dict.update sends an event per key), for another thread to read
- * the dict half changed. */
+ * "Unchanged" is the dict's version tag: the change itself writes a new one (never reused) as it lands, so a
+ * record read before a change is never found after it, whatever ran between the read and the change. Dict
+ * watchers were tried for this on 3.12+ and left: CPython calls them before the change, and another watcher's
+ * callback that runs Python code lets a reader keep the state from before with no event to come. From 3.14 a
+ * dict has no version tag, so nothing is kept there. Nor on 3.12 and 3.13 is a dict over an object's inline
+ * values (a split table: ma_values set) kept: an attribute stored into those gives the dict no new tag (3.13.5).
+ * From 3.12 only the main interpreter keeps records: the slots are one set for the process, and another
+ * interpreter may run beside it under a GIL of its own, with version tags of its own.
+ *
+ * Free-threaded builds (3.13t): each slot has a spin lock, held only to copy a record in or out. The tag is read
+ * inside the dict's critical section before the dict is read (cdl_cache_ticket), so it is the tag of what was
+ * read; a find compares it with the dict's tag then. A PyMutex would detach a thread that has to wait for it,
+ * which lets go of the critical section it may hold. */
+#if PY_VERSION_HEX < 0x030E0000
 #define CDL_INTERFACE_CACHE 1
 #define CDL_CACHE_SLOTS 4 /* a power of two: a slot is picked by bits of the dict's address */
+#define CDL_NO_TICKET UINT64_MAX /* no tag reaches it: the dict is not to be kept */
 
 typedef struct {
-    PyObject *dict; /* identity only, no reference; NULL: empty */
-#if PY_VERSION_HEX < 0x030C0000
+    PyObject *dict;   /* identity only, no reference; NULL: empty */
     uint64_t version; /* the dict's version tag when it was read */
-#endif
 #ifdef Py_GIL_DISABLED
-    char busy;        /* the lock over every field; dict is also read without it, to miss at once */
-    uint64_t changes; /* events of any dict of this slot: a store's ticket is this count when it read its dict */
+    char busy; /* the lock over every field; dict is also read without it, to miss at once */
 #endif
     cdl_source source;
     cdl_array array; /* device fields unset for a CAI: asked again each time */
@@ -45,14 +45,17 @@ typedef struct {
 static cdl_cache_slot cdl_cache[CDL_CACHE_SLOTS];
 static Py_ssize_t cdl_cache_hits, cdl_cache_stores;
 static int cdl_cache_off; /* _set_interface_cache(False): benchmarks and tests of the uncached path */
-/* _set_record_store_delay: microseconds each store waits on free-threaded builds, for tests (0: none). */
-static long cdl_cache_store_delay;
 #if PY_VERSION_HEX >= 0x030C0000
-static int cdl_cache_watcher = -1;                  /* -1: no watcher, nothing is kept */
-static PyInterpreterState *cdl_cache_interpreter; /* the watcher's (the main one); others keep and find nothing */
+static PyInterpreterState *cdl_cache_interpreter; /* the main one, the only one that keeps and finds records */
+#define CDL_CACHE_HERE() (PyInterpreterState_Get() == cdl_cache_interpreter)
+#else
+#define CDL_CACHE_HERE() 1 /* one GIL and one version counter for every interpreter */
 #endif
 
 #ifdef Py_GIL_DISABLED
+/* _set_record_store_delay: microseconds each store waits on free-threaded builds, for tests (0: none). */
+static long cdl_cache_store_delay;
+
 static inline void cdl_slot_lock(cdl_cache_slot *slot)
 {
     while (__atomic_exchange_n(&slot->busy, 1, __ATOMIC_ACQUIRE)) {
@@ -68,8 +71,6 @@ static inline void cdl_slot_lock(cdl_cache_slot *slot)
 #define CDL_SLOT_LOCK(slot) cdl_slot_lock(slot)
 #define CDL_SLOT_UNLOCK(slot) __atomic_store_n(&(slot)->busy, 0, __ATOMIC_RELEASE)
 #define CDL_COUNT(counter) __atomic_fetch_add(&(counter), 1, __ATOMIC_RELAXED)
-/* A ticket no count reaches: the dict could not be watched, or records are not kept. */
-#define CDL_NO_TICKET UINT64_MAX
 #else
 #define CDL_SLOT_LOCK(slot) ((void)0)
 #define CDL_SLOT_UNLOCK(slot) ((void)0)
@@ -81,56 +82,33 @@ static inline cdl_cache_slot *cdl_cache_slot_of(PyObject *dict)
     return &cdl_cache[((uintptr_t)dict >> 6) & (CDL_CACHE_SLOTS - 1)];
 }
 
-/* Whether records are kept here and now: not turned off, and on 3.12+ in the interpreter of a watcher. */
-static int cdl_cache_keeps(void)
+/* The dict's version tag (on 3.12 and 3.13 a deprecated field; its low bits also name the dict's watchers and,
+ * on 3.13, count their changes: a tag that moves for those only costs a read afresh). */
+static inline uint64_t cdl_dict_tag(PyObject *dict)
 {
 #if PY_VERSION_HEX >= 0x030C0000
-    if (cdl_cache_watcher < 0 || PyInterpreterState_Get() != cdl_cache_interpreter)
-        return 0;
-#endif
-    return !__atomic_load_n(&cdl_cache_off, __ATOMIC_RELAXED);
-}
-
-#if PY_VERSION_HEX >= 0x030C0000
-/* Whether a watcher other than ours watches the dict: its bits are the low 8 of the 64-bit tag after ma_used
- * (ma_version_tag on 3.12 and 3.13, _ma_watcher_tag from 3.14). CPython calls a dict's watchers before the change
- * is made. One called after ours may let the changing thread wait (a callback that runs Python code lets go of
- * the GIL, or on free-threaded builds detaches and so suspends the dict's critical section); a reader then reads
- * the state from before, and no event follows the change to drop what it keeps. Such a dict is never kept. A
- * record kept before another watcher came is still safe: our event empties it, and another watcher's wait either
- * follows that event or, for a watcher called before ours, comes while the old state is still the dict's. */
-static inline int cdl_cache_others_watch(PyObject *dict)
-{
-#if PY_VERSION_HEX >= 0x030E0000
-    uint64_t tag = __atomic_load_n(&((PyDictObject *)dict)->_ma_watcher_tag, __ATOMIC_RELAXED);
-#else
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-    uint64_t tag = __atomic_load_n(&((PyDictObject *)dict)->ma_version_tag, __ATOMIC_RELAXED);
+#endif
+    return __atomic_load_n(&((PyDictObject *)dict)->ma_version_tag, __ATOMIC_ACQUIRE);
+#if PY_VERSION_HEX >= 0x030C0000
 #pragma GCC diagnostic pop
 #endif
-    return (tag & 0xFF & ~(UINT64_C(1) << cdl_cache_watcher)) != 0;
 }
-#endif
+
+/* Whether records are kept here and now: not turned off, and from 3.12 in the main interpreter. */
+static int cdl_cache_keeps(void)
+{
+    return CDL_CACHE_HERE() && !__atomic_load_n(&cdl_cache_off, __ATOMIC_ACQUIRE);
+}
 
 uint64_t cdl_cache_ticket(PyObject *dict)
 {
-#if PY_VERSION_HEX < 0x030C0000
-    return ((PyDictObject *)dict)->ma_version_tag;
-#elif defined(Py_GIL_DISABLED)
-    /* Watched from here on (inside its critical section: a change writes the same word), so every change after
-     * this read sends the event that moves the count. */
-    if (!cdl_cache_keeps() || cdl_cache_others_watch(dict))
-        return CDL_NO_TICKET;
-    if (PyDict_Watch(cdl_cache_watcher, dict) < 0) {
-        PyErr_Clear(); /* cannot fail for a dict and our own watcher */
-        return CDL_NO_TICKET;
-    }
-    return __atomic_load_n(&cdl_cache_slot_of(dict)->changes, __ATOMIC_ACQUIRE);
-#else
-    (void)dict;
-    return 0; /* the watcher, not a version, says when a dict changed */
+#if PY_VERSION_HEX >= 0x030C0000
+    if (((PyDictObject *)dict)->ma_values != NULL)
+        return CDL_NO_TICKET; /* a split table, over an object's inline values on 3.13 (above) */
 #endif
+    return cdl_dict_tag(dict);
 }
 
 #ifdef Py_GIL_DISABLED
@@ -153,41 +131,16 @@ static void cdl_cache_store_wait(int detach)
 }
 #endif
 
-#if PY_VERSION_HEX >= 0x030C0000
-/* Any event of a watched dict (a change, a clear, its deallocation) empties its slot. */
-static int cdl_cache_on_dict_event(PyDict_WatchEvent event, PyObject *dict, PyObject *key, PyObject *value)
-{
-    (void)event, (void)key, (void)value;
-    cdl_cache_slot *slot = cdl_cache_slot_of(dict);
-    CDL_SLOT_LOCK(slot);
-    if (slot->dict == dict)
-        __atomic_store_n(&slot->dict, NULL, __ATOMIC_RELAXED);
-#ifdef Py_GIL_DISABLED
-    __atomic_store_n(&slot->changes, slot->changes + 1, __ATOMIC_RELEASE);
-#endif
-    CDL_SLOT_UNLOCK(slot);
-    return 0;
-}
-#endif
-
 int cdl_cache_find(PyObject *dict, cdl_source source, cdl_array *out)
 {
     cdl_cache_slot *slot = cdl_cache_slot_of(dict);
-    if (__atomic_load_n(&slot->dict, __ATOMIC_RELAXED) != dict)
+    if (__atomic_load_n(&slot->dict, __ATOMIC_RELAXED) != dict || !CDL_CACHE_HERE())
         return 0;
-#if PY_VERSION_HEX >= 0x030C0000
-    /* A dict's watched bits name watchers of the interpreter that runs: only the watcher's own sees changes. */
-    if (PyInterpreterState_Get() != cdl_cache_interpreter)
-        return 0;
-#endif
     int found = 0;
     CDL_SLOT_LOCK(slot);
-    if (slot->dict != dict || slot->source != source || __atomic_load_n(&cdl_cache_off, __ATOMIC_RELAXED))
+    if (slot->dict != dict || slot->source != source || __atomic_load_n(&cdl_cache_off, __ATOMIC_RELAXED) ||
+        slot->version != cdl_dict_tag(dict))
         goto done;
-#if PY_VERSION_HEX < 0x030C0000
-    if (slot->version != cdl_cache_ticket(dict))
-        goto done;
-#endif
     out->data = slot->array.data;
     out->dtype = slot->array.dtype;
     out->ndim = slot->array.ndim;
@@ -205,36 +158,24 @@ done:
 void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t ticket, const cdl_array *arr)
 {
     cdl_cache_slot *slot = cdl_cache_slot_of(dict);
-    if (!cdl_cache_keeps())
+    if (ticket == CDL_NO_TICKET || !cdl_cache_keeps())
         return;
-#if PY_VERSION_HEX < 0x030C0000
-    slot->version = ticket;
-#elif defined(Py_GIL_DISABLED)
+#ifdef Py_GIL_DISABLED
     /* The test hook's wait, before the lock and again inside it: a change may land between the read and the
-     * ticket's check, and (an event that did not take the lock) between the check and the store. */
+     * store, and again between the store and a find. */
     cdl_cache_store_wait(1);
-    /* The dict stays watched when its record goes: another's unwatch would write its watched bits outside its
-     * critical section. Its later changes cost an event that finds no slot. */
+#endif
     CDL_SLOT_LOCK(slot);
     /* Keeping turned off since cdl_cache_keeps() was asked: cdl_set_interface_cache sets the flag before it
      * empties the slots under their locks, so a store is either refused here or emptied after. */
-    if (ticket != slot->changes || __atomic_load_n(&cdl_cache_off, __ATOMIC_ACQUIRE)) {
+    if (__atomic_load_n(&cdl_cache_off, __ATOMIC_ACQUIRE)) {
         CDL_SLOT_UNLOCK(slot);
-        return; /* the dict may have changed since it was read (or could not be watched) */
-    }
-    cdl_cache_store_wait(0);
-#else
-    (void)ticket;
-    if (cdl_cache_others_watch(dict))
-        return; /* another watcher's callback may hold up a change this read missed (above) */
-    if (slot->dict != NULL && slot->dict != dict && PyDict_Unwatch(cdl_cache_watcher, slot->dict) < 0)
-        PyErr_Clear(); /* cannot fail for a live dict and our own watcher; it only stays watched */
-    slot->dict = NULL;
-    if (PyDict_Watch(cdl_cache_watcher, dict) < 0) {
-        PyErr_Clear();
         return;
     }
+#ifdef Py_GIL_DISABLED
+    cdl_cache_store_wait(0);
 #endif
+    slot->version = ticket;
     slot->source = source;
     slot->array = *arr;
     __atomic_store_n(&slot->dict, dict, __ATOMIC_RELAXED);
@@ -252,25 +193,36 @@ static void cdl_cache_clear(void)
         CDL_SLOT_UNLOCK(slot);
     }
 }
+#else /* 3.14+: no version tag, nothing is kept */
+int cdl_cache_find(PyObject *dict, cdl_source source, cdl_array *out)
+{
+    (void)dict, (void)source, (void)out;
+    return 0;
+}
+
+uint64_t cdl_cache_ticket(PyObject *dict)
+{
+    (void)dict;
+    return CDL_NO_TICKET;
+}
+
+void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t ticket, const cdl_array *arr)
+{
+    (void)dict, (void)source, (void)ticket, (void)arr;
+}
+#endif
 
 int cdl_interface_cache_init(void)
 {
 #ifdef CDL_INTERFACE_CACHE
     /* A new interpreter (the module is made again after Py_Finalize, or in another interpreter) starts empty:
-     * an old interpreter's watchers went before its last dicts did, so its slots may name freed dicts. */
-    cdl_cache_clear();
+     * an old interpreter's slots may name its freed dicts. */
 #if PY_VERSION_HEX >= 0x030C0000
-    cdl_cache_watcher = -1;
+    if (PyInterpreterState_Get() != PyInterpreterState_Main())
+        return 0; /* the main interpreter's records stay its own */
     cdl_cache_interpreter = PyInterpreterState_Get();
-    /* Only the main interpreter keeps records. CPython 3.13.0 sends no event for an attribute stored into an
-     * object's inline values, which its __dict__ then shows (fixed in 3.13.1): a module built against later
-     * 3.13 headers loads there too, so the running version decides. */
-    if (cdl_cache_interpreter != PyInterpreterState_Main() || (Py_Version >= 0x030D0000 && Py_Version < 0x030D01F0))
-        return 0;
-    cdl_cache_watcher = PyDict_AddWatcher(cdl_cache_on_dict_event);
-    if (cdl_cache_watcher < 0)
-        PyErr_Clear(); /* every watcher id is taken: conversions read every dict afresh */
 #endif
+    cdl_cache_clear();
 #endif
     return 0;
 }
@@ -297,7 +249,7 @@ PyObject *cdl_set_interface_cache(PyObject *module, PyObject *enabled)
 #ifdef CDL_INTERFACE_CACHE
     __atomic_store_n(&cdl_cache_off, !on, __ATOMIC_RELEASE);
     if (!on)
-        cdl_cache_clear(); /* on 3.12+ the dicts stay watched; their events find no slot */
+        cdl_cache_clear();
 #endif
     return cdl_interface_cache_info(module, NULL);
 }
@@ -312,6 +264,8 @@ PyObject *cdl_set_record_store_delay(PyObject *module, PyObject *microseconds)
         PyErr_Format(PyExc_ValueError, "_set_record_store_delay: microseconds must be 0 to 1000000, not %ld", delay);
         return NULL;
     }
+#if defined(CDL_INTERFACE_CACHE) && defined(Py_GIL_DISABLED)
     __atomic_store_n(&cdl_cache_store_delay, delay, __ATOMIC_RELAXED);
+#endif
     Py_RETURN_NONE;
 }

@@ -1,5 +1,5 @@
-"""The record read from a ready interface dict is kept and reused while the dict is unchanged (a version tag on
-3.11, a dict watcher on 3.12+): every change to the dict, and every value that could change without the dict
+"""The record read from a ready interface dict is kept and reused while the dict is unchanged (its version tag,
+which the change itself writes; no records from 3.14, where dicts have none): every change to the dict, and every value that could change without the dict
 changing, must still be read afresh. _interface_cache_info() counts reuses ("hits") and records kept
 ("stores"), so each test can say which way a conversion went."""
 import json
@@ -18,7 +18,7 @@ S1, S2 = 0x5000, 0x6000
 
 kept_only = pytest.mark.skipif(
     not _core._interface_cache_info()["enabled"],
-    reason="no records are kept here (a free-threaded build, CPython 3.13.0, or no dict watcher free)")
+    reason="no records are kept here (CPython 3.14 and later: a dict has no version tag there)")
 
 
 class Holder:
@@ -347,29 +347,31 @@ TAKE_EVERY_WATCHER = textwrap.dedent("""
     holder, array = Holder(), np.arange(6.0)
     holder.__array_interface__ = dict(array.__array_interface__)
     results = [np.asarray(dlpack2cai(cai2dlpack(holder))).tolist() for _ in range(3)]
-    holder.__array_interface__["shape"] = (3,)  # a change no watcher reports: read afresh all the same
+    holder.__array_interface__["shape"] = (3,)  # its new version tag: read afresh
     results.append(np.asarray(dlpack2cai(cai2dlpack(holder))).tolist())
     print(json.dumps({"taken": taken, "info": _core._interface_cache_info(), "results": results}))
 """)
 
 
-@pytest.mark.skipif(sys.version_info < (3, 12), reason="dict watchers exist from CPython 3.12 on (3.11 tells a "
-                    "change by the dict's version tag, and has no watcher to run out of); CI's 3.12 stage runs this")
-def test_with_every_dict_watcher_taken_nothing_is_kept_and_every_dict_is_read():
+@kept_only
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="dict watchers exist from CPython 3.12 on; CI's 3.12 and "
+                    "3.13 stages run this")
+def test_with_every_dict_watcher_taken_records_are_still_kept_and_changes_read():
+    """Records need no dict watcher (they were kept by one on 3.12+ before): with every watcher id taken before
+    the import, a ready dict is still kept, reused, and read afresh once changed."""
     result = subprocess.run([sys.executable, "-c", TAKE_EVERY_WATCHER], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout)
     assert seen["taken"] > 0
-    assert seen["info"] == {"enabled": False, "hits": 0, "stores": 0}
+    assert seen["info"] == {"enabled": True, "hits": 2, "stores": 2}
     assert seen["results"] == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]] * 3 + [[0.0, 1.0, 2.0]]
 
 
 @kept_only
-@pytest.mark.skipif(sys.version_info < (3, 12), reason="dict watchers exist from CPython 3.12 on; 3.11 keeps records "
-                    "by version tags, which no other watcher can hold up")
-def test_a_dict_another_watcher_watches_is_read_each_time_and_kept_once_it_stops():
-    """Another watcher's callback may hold up a change after our event (test_free_threading has the race): a dict
-    it watches is read afresh at every conversion and never kept; once it stops watching, the dict is kept again."""
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="dict watchers exist from CPython 3.12 on")
+def test_a_dict_another_watcher_watches_is_kept_and_its_changes_are_read():
+    """Another dict watcher on the dict changes nothing: the record is kept and reused, and a change (reported to
+    that watcher, not to us) is read afresh, by the version tag the change writes."""
     _testcapi = pytest.importorskip("_testcapi", reason="CPython's _testcapi adds the second dict watcher")
     x = np.arange(6.0)
     iface = dict(x.__array_interface__)
@@ -377,21 +379,38 @@ def test_a_dict_another_watcher_watches_is_read_each_time_and_kept_once_it_stops
     watcher = _testcapi.add_dict_watcher(0)  # its callback records events and never fails
     try:
         _testcapi.watch_dict(watcher, iface)
-        for _ in range(3):
-            took, array = converted(made)
-            assert took == (0, 0)
-            np.testing.assert_array_equal(array, x)
+        assert converted(made)[0] == (0, 1)
+        took, array = converted(made)
+        assert took == (1, 0)
+        np.testing.assert_array_equal(array, x)
         iface["shape"] = (3,)
         took, array = converted(made)
-        assert took == (0, 0)
+        assert took == (0, 1)
         np.testing.assert_array_equal(array, x[:3])
         _testcapi.unwatch_dict(watcher, iface)
     finally:
         _testcapi.clear_dict_watcher(watcher)
-    assert converted(made)[0] == (0, 1)
-    took, array = converted(made)
-    assert took == (1, 0)
-    np.testing.assert_array_equal(array, x[:3])
+
+
+@kept_only
+def test_a_dict_over_an_objects_inline_values_is_never_kept():
+    """vars(a) of a plain instance is a split table over its inline values (3.12, 3.13): an attribute stored there
+    gives the dict no new version tag on 3.13, so it is read afresh each time, never kept."""
+    x = np.arange(12.0)
+
+    class Attributes:
+        pass
+
+    a = Attributes()
+    a.version, a.shape, a.typestr, a.data = 3, (12,), "<f8", (x.ctypes.data, False)
+    made = holding(vars(a))
+    if sys.version_info < (3, 12):
+        pytest.skip("3.11 keeps these: every attribute store there gives the dict a new version tag")
+    for shape in ((12,), (4,)):
+        a.shape = shape
+        took, array = converted(made)
+        assert took == (0, 0)
+        np.testing.assert_array_equal(array, x[:shape[0]])
 
 
 @kept_only
@@ -419,9 +438,9 @@ def test_the_test_hook_turns_keeping_off_and_on_and_raises_what_truth_raises():
 
 
 def test_records_are_kept_in_this_interpreter():
-    """The main interpreter keeps records on every CPython but 3.13.0 (free-threaded builds included): the tests
+    """The main interpreter keeps records on every CPython before 3.14 (free-threaded builds included): the tests
     above that need them skip where none are kept, so this says where that must not be."""
-    expected = sys.version_info[:3] != (3, 13, 0)
+    expected = sys.version_info < (3, 14)
     assert _core._interface_cache_info()["enabled"] is expected
 
 
