@@ -526,8 +526,10 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
             PyCriticalSection_End(&section);
         if (fused) {
             cdl_count_fused_read();
-            if (held)
+            if (held) {
+                CDL_CACHE_READ_WAIT();
                 cdl_cache_store(iface, source, ticket, out);
+            }
             return cdl_set_device(out, source);
         }
     }
@@ -547,6 +549,7 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
     PyObject *entries[CDL_ENTRIES];
     uint64_t ticket;
     cdl_collect_entries(iface, entries, &ticket);
+    CDL_CACHE_READ_WAIT();
     int status = -1;
 
     PyObject *value = cdl_required(entries, CDL_VERSION, source);

@@ -518,6 +518,14 @@ uint64_t cdl_cache_ticket(PyObject *dict);
 /* Keeps arr as what dict, read under ticket, says (when records are kept here and now); found only while the
  * dict's tag is still the ticket. */
 void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t ticket, const cdl_array *arr);
+#if defined(Py_GIL_DISABLED) && PY_VERSION_HEX < 0x030E0000
+/* The test hook's first wait (_set_record_store_delay), detached: called between a held dict's read and its store,
+ * where a change may land. */
+void cdl_cache_read_wait(void);
+#define CDL_CACHE_READ_WAIT() cdl_cache_read_wait()
+#else
+#define CDL_CACHE_READ_WAIT() ((void)0)
+#endif
 /* Sets up the kept records of validated interface dicts (empty, and from 3.12 whose interpreter keeps them); 0. */
 int cdl_interface_cache_init(void);
 /* _core._interface_cache_info(): {"enabled": bool, "hits": int, "stores": int}, for tests. */

@@ -51,6 +51,11 @@ static PyInterpreterState *cdl_cache_interpreter; /* the main one, the only one 
 #else
 #define CDL_CACHE_HERE() 1 /* one GIL and one version counter for every interpreter */
 #endif
+#ifdef Py_GIL_DISABLED
+#define CDL_CACHE_HERE_GIL() 1 /* asked before the lock */
+#else
+#define CDL_CACHE_HERE_GIL() CDL_CACHE_HERE()
+#endif
 
 #ifdef Py_GIL_DISABLED
 /* _set_record_store_delay: microseconds each store waits on free-threaded builds, for tests (0: none). */
@@ -115,7 +120,7 @@ uint64_t cdl_cache_ticket(PyObject *dict)
 /* _set_record_store_delay's wait (tests only; none by default). Detached when holding nothing, so another thread's
  * collection need not wait for it; holding a slot's spin lock it stays attached: a thread spinning on that lock
  * cannot detach, and a stop-the-world would wait for it while the sleeper waited for the stop to end. */
-static void cdl_cache_store_wait(int detach)
+static void cdl_cache_wait(int detach)
 {
     const long delay = __atomic_load_n(&cdl_cache_store_delay, __ATOMIC_RELAXED);
     if (delay > 0) {
@@ -131,15 +136,24 @@ static void cdl_cache_store_wait(int detach)
 }
 #endif
 
+#ifdef Py_GIL_DISABLED
+void cdl_cache_read_wait(void)
+{
+    cdl_cache_wait(1);
+}
+#endif
+
 int cdl_cache_find(PyObject *dict, cdl_source source, cdl_array *out)
 {
     cdl_cache_slot *slot = cdl_cache_slot_of(dict);
+#ifdef Py_GIL_DISABLED
     if (__atomic_load_n(&slot->dict, __ATOMIC_RELAXED) != dict || !CDL_CACHE_HERE())
-        return 0;
+        return 0; /* a miss without the lock; a find is then checked again under it */
+#endif
     int found = 0;
     CDL_SLOT_LOCK(slot);
-    if (slot->dict != dict || slot->source != source || __atomic_load_n(&cdl_cache_off, __ATOMIC_RELAXED) ||
-        slot->version != cdl_dict_tag(dict))
+    if (slot->dict != dict || !CDL_CACHE_HERE_GIL() || slot->source != source ||
+        __atomic_load_n(&cdl_cache_off, __ATOMIC_RELAXED) || slot->version != cdl_dict_tag(dict))
         goto done;
     out->data = slot->array.data;
     out->dtype = slot->array.dtype;
@@ -158,22 +172,17 @@ done:
 void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t ticket, const cdl_array *arr)
 {
     cdl_cache_slot *slot = cdl_cache_slot_of(dict);
-    if (ticket == CDL_NO_TICKET || !cdl_cache_keeps())
+    if (ticket == CDL_NO_TICKET || !CDL_CACHE_HERE())
         return;
-#ifdef Py_GIL_DISABLED
-    /* The test hook's wait, before the lock and again inside it: a change may land between the read and the
-     * store, and again between the store and a find. */
-    cdl_cache_store_wait(1);
-#endif
     CDL_SLOT_LOCK(slot);
-    /* Keeping turned off since cdl_cache_keeps() was asked: cdl_set_interface_cache sets the flag before it
-     * empties the slots under their locks, so a store is either refused here or emptied after. */
+    /* Keeping turned off, asked only here: cdl_set_interface_cache sets the flag before it empties the slots under
+     * their locks, so a store is either refused here or emptied after. */
     if (__atomic_load_n(&cdl_cache_off, __ATOMIC_ACQUIRE)) {
         CDL_SLOT_UNLOCK(slot);
         return;
     }
 #ifdef Py_GIL_DISABLED
-    cdl_cache_store_wait(0);
+    cdl_cache_wait(0); /* the test hook's second wait: a find, a change or keeping turned off meets a store */
 #endif
     slot->version = ticket;
     slot->source = source;

@@ -334,6 +334,66 @@ def test_a_held_dict_switched_whole_by_another_thread_is_read_as_one_state():
         assert not sys._is_gil_enabled()
 
 
+store_delay_only = pytest.mark.skipif(
+    not FREE_THREADED or not __import__("cai_dlpack")._core._interface_cache_info()["enabled"],
+    reason="the store-delay hook waits on free-threaded builds that keep records only (3.13t); with the GIL a read "
+           "and its store run with nothing between them")
+
+
+@store_delay_only
+def test_a_store_under_way_when_keeping_is_turned_off_is_never_kept():
+    """One thread's store waits (the hook) while keeping is turned off and on again: the store, begun before off,
+    is refused under its slot's lock, so the next conversion reads afresh and keeps its own record."""
+    from cai_dlpack import _core
+
+    iface = dict(np.arange(6.0).__array_interface__)
+
+    class Held:
+        __array_interface__ = iface
+
+    _core._set_record_store_delay(300000)
+    try:
+        thread = threading.Thread(target=lambda: read_capsule(cai2dlpack(Held(), max_version=(1, 0))))
+        thread.start()
+        time.sleep(0.1)
+        _core._set_interface_cache(False)
+        thread.join()
+    finally:
+        _core._set_record_store_delay(0)
+        _core._set_interface_cache(True)
+    before = _core._interface_cache_info()
+    read_capsule(cai2dlpack(Held(), max_version=(1, 0)))
+    after = _core._interface_cache_info()
+    assert (after["hits"] - before["hits"], after["stores"] - before["stores"]) == (0, 1)
+
+
+@store_delay_only
+def test_a_collection_never_waits_for_a_store_delayed_between_read_and_store():
+    """The hook's wait between a held dict's read and its store is detached: another thread's gc.collect() (which
+    stops the world) returns without waiting for it."""
+    import gc
+
+    from cai_dlpack import _core
+
+    iface = dict(np.arange(6.0).__array_interface__)
+
+    class Held:
+        __array_interface__ = iface
+
+    _core._set_record_store_delay(1000000)
+    try:
+        thread = threading.Thread(target=lambda: read_capsule(cai2dlpack(Held(), max_version=(1, 0))))
+        thread.start()
+        time.sleep(0.2)
+        began = time.monotonic()
+        gc.collect()
+        took = time.monotonic() - began
+        thread.join()
+    finally:
+        _core._set_record_store_delay(0)
+    assert took < 0.5
+
+
 def test_a_record_kept_while_its_dict_changes_never_serves_the_change():
     """One thread changes a held dict and then, once the stores under way have had time to land, converts it
     itself; others convert it all along, each keeping its record. A reader that read the dict before a change and
