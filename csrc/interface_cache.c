@@ -181,12 +181,14 @@ void cdl_cache_store(PyObject *dict, cdl_source source, uint64_t ticket, const c
         CDL_SLOT_UNLOCK(slot);
         return;
     }
-#ifdef Py_GIL_DISABLED
-    cdl_cache_wait(0); /* the test hook's second wait: a find, a change or keeping turned off meets a store */
-#endif
-    slot->version = ticket;
     slot->source = source;
     slot->array = *arr;
+#ifdef Py_GIL_DISABLED
+    /* The test hook's second wait, with the record half written (the last record's dict and tag, this one's
+     * fields): a find that did not wait for the lock would copy a torn record. */
+    cdl_cache_wait(0);
+#endif
+    slot->version = ticket;
     __atomic_store_n(&slot->dict, dict, __ATOMIC_RELAXED);
     CDL_COUNT(cdl_cache_stores);
     CDL_SLOT_UNLOCK(slot);

@@ -522,8 +522,8 @@ def test_a_change_another_watcher_holds_up_is_never_served_from_a_record(unwatch
 def test_two_dicts_taking_one_slot_in_turn_are_each_read_whole():
     """Two held dicts whose records take the same slot (picked by address), converted in turn by many threads: each
     conversion of one evicts the other's record and keeps its own, while other threads copy the record out. The
-    slot's lock keeps a copy from meeting a store halfway: every tensor is one dict's, never one's shape with the
-    other's strides or pointer."""
+    slot's lock keeps a copy from meeting a store halfway (on free-threaded builds the store-delay hook holds each
+    store there): every tensor is one dict's, never one's shape with the other's strides or pointer."""
     raw = np.zeros(256, dtype=np.float32)
     base = raw.__array_interface__["data"][0]
     states = [{"shape": (3, 4), "typestr": "<f4", "data": (base, False), "strides": (16, 4), "version": 3},
@@ -547,13 +547,19 @@ def test_two_dicts_taking_one_slot_in_turn_are_each_read_whole():
     torn = []
 
     def work(i):
-        for round_ in range(20000 if FREE_THREADED else 2000):
+        for round_ in range(1000 if FREE_THREADED else 2000):
             which = (i + round_) % 2
             seen = read_capsule(cai2dlpack(holders[which][0](), max_version=(1, 0)))
             if seen != expected[which]:
                 torn.append((which, seen))
 
-    assert run_threads(work, 4) == []
+    from cai_dlpack import _core
+
+    _core._set_record_store_delay(20)  # on free-threaded builds each store waits with its record half written
+    try:
+        assert run_threads(work, 4) == []
+    finally:
+        _core._set_record_store_delay(0)
     assert torn == []
     if FREE_THREADED:
         assert not sys._is_gil_enabled()
