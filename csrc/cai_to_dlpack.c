@@ -498,6 +498,34 @@ PyObject *cdl_fused_reads_count(PyObject *module, PyObject *unused)
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&cdl_fused_reads, __ATOMIC_RELAXED));
 }
 
+/* Whether dropping value runs no Python code: absent, None, an exact int, bool, str or bytes, or an exact tuple of
+ * exact ints, bools and None (no __del__, no weak reference, nothing the collector tracks). */
+static int cdl_inert(PyObject *value)
+{
+    if (value == NULL || value == Py_None || PyLong_CheckExact(value) || PyBool_Check(value) ||
+        PyUnicode_CheckExact(value) || PyBytes_CheckExact(value))
+        return 1;
+    if (!PyTuple_CheckExact(value))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(value); i++) {
+        PyObject *item = PyTuple_GET_ITEM(value, i);
+        if (item != Py_None && !PyLong_CheckExact(item) && !PyBool_Check(item))
+            return 0;
+    }
+    return 1;
+}
+
+/* Whether every entry a record may come from is inert (the store's rule below). The descr (NumPy's is a list) is
+ * not: a record is kept only when the typestr alone names the type, so what the descr holds is not in it. */
+static int cdl_entries_inert(PyObject *const *entries)
+{
+    for (int i = 0; i < CDL_DESCR; i++) {
+        if (!cdl_inert(entries[i]))
+            return 0;
+    }
+    return 1;
+}
+
 int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, const DLDataType *requested,
                              cdl_array *out, PyObject **keepalive)
 {
@@ -643,12 +671,13 @@ int cdl_array_from_interface(PyObject *iface, cdl_source source, PyObject *obj, 
     if (cdl_check_extent(out, source, shape, itemsize, buffer_length, offset) < 0)
         goto done;
 
-    /* Every value the record came from is immutable, so the dict's version (or watcher) covers them (named:
-     * the type came from dtype=, the descr or obj). Only C code ran since the dict was read, so its version
-     * is still the one read before. */
+    /* Every value the record came from is immutable, so the dict's version tag covers them (named: the type came
+     * from dtype=, the descr or obj). Each is also inert: dropping it runs no Python code. On 3.11 and 3.12 an
+     * attribute store into an object's own combined __dict__ (the specialized STORE_ATTR_WITH_HINT) drops the old
+     * value before it writes the new tag, so a __del__ there could be served this record of the old content. */
     value = entries[CDL_STRIDES];
     if (!named && Py_REFCNT(iface) > 1 && buffer_length < 0 && PyTuple_Check(shape) && !strides_listed &&
-        (value == NULL || value == Py_None || PyTuple_Check(value)))
+        (value == NULL || value == Py_None || PyTuple_Check(value)) && cdl_entries_inert(entries))
         cdl_cache_store(iface, source, ticket, out);
     status = cdl_set_device(out, source);
 done:

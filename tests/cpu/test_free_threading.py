@@ -394,6 +394,43 @@ def test_a_collection_never_waits_for_a_store_delayed_between_read_and_store():
     assert took < 0.5
 
 
+@store_delay_only
+def test_a_dict_subclass_changed_between_its_read_and_its_store_is_read_afresh_after():
+    """A dict subclass is read by the general reader, which takes the dict's tag before the read: a change that
+    lands while the store waits (the hook) leaves a record under the old tag, never found again (one taken at the
+    store would keep the old content under the new tag: the review's mutant, 5 of 5 stale)."""
+    from cai_dlpack import _core
+
+    raw = np.zeros(64, dtype=np.float32)
+
+    class Interface(dict):
+        pass
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.__array_interface__ = Interface(version=3, typestr="<f4", data=(raw.ctypes.data, False), shape=(2,))
+
+    def shape_now():
+        return read_capsule(cai2dlpack(holder, max_version=(1, 0)))["shape"]
+
+    seen = []
+    for _ in range(3):
+        holder.__array_interface__["shape"] = (2,)
+        _core._set_record_store_delay(200000)
+        try:
+            thread = threading.Thread(target=shape_now)
+            thread.start()
+            time.sleep(0.05)
+            holder.__array_interface__["shape"] = (9,)
+            thread.join()
+        finally:
+            _core._set_record_store_delay(0)
+        seen += [shape_now() for _ in range(3)]
+    assert seen == [(9,)] * 9
+
+
 def test_a_record_kept_while_its_dict_changes_never_serves_the_change():
     """One thread changes a held dict and then, once the stores under way have had time to land, converts it
     itself; others convert it all along, each keeping its record. A reader that read the dict before a change and

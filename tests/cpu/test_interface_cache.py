@@ -413,6 +413,64 @@ def test_a_dict_over_an_objects_inline_values_is_never_kept():
         np.testing.assert_array_equal(array, x[:shape[0]])
 
 
+class _Dropped(int):
+    """An int whose release runs Python code (the probe set on the class)."""
+    probe = None
+
+    def __del__(self):
+        if _Dropped.probe is not None:
+            _Dropped.probe()
+
+
+@kept_only
+@pytest.mark.parametrize("kind", ["an int subclass in the shape", "a tuple subclass as the shape"])
+def test_a_dict_holding_a_value_whose_release_runs_code_is_never_kept(kind):
+    """A value whose release may run Python code (here an int subclass, or a tuple subclass) keeps its dict from
+    being kept: on 3.11 and 3.12 that code can run inside an attribute store after the value changed and before
+    the dict's new tag is written."""
+    x = np.arange(6.0)
+    iface = dict(x.__array_interface__)
+    iface["shape"] = (_Dropped(6),) if kind.startswith("an int") else type("Shape", (tuple,), {})((6,))
+    made = holding(iface)
+    for _ in range(2):
+        took, array = converted(made)
+        assert took == (0, 0)
+        np.testing.assert_array_equal(array, x)
+
+
+@kept_only
+def test_a_conversion_run_by_the_release_of_an_attributes_old_value_reads_the_new_one():
+    """The interface is an object's own combined __dict__, changed by attribute stores (3.11 and 3.12 specialize
+    them: the new value is stored, the old one released, and only then the new version tag written). A conversion
+    run by the old value's release must see the new value, never the record kept of the old one (the review: 16
+    of 19 stale on 3.11, 18 of 19 on 3.12)."""
+    buffer = np.zeros(64, dtype=np.float32)
+
+    class Own:
+        @property
+        def __array_interface__(self):
+            return self.__dict__
+
+    own = Own()
+    own.__dict__ = {"version": 3, "typestr": "<f4", "data": (buffer.ctypes.data, False), "shape": (_Dropped(1),)}
+    seen = []
+
+    def shape_now():
+        return np.asarray(dlpack2cai(cai2dlpack(own))).shape
+
+    try:
+        for n in range(2, 40):
+            shape_now()
+            shape_now()
+            _Dropped.probe = lambda: seen.append((tuple(int(v) for v in own.__dict__["shape"]), shape_now()))
+            own.shape = (n,) if n % 2 else (_Dropped(n),)
+            _Dropped.probe = None
+    finally:
+        _Dropped.probe = None
+    assert len(seen) >= 10
+    assert [(said, got) for said, got in seen if said != got] == []
+
+
 @kept_only
 def test_the_test_hook_turns_keeping_off_and_on_and_raises_what_truth_raises():
     """_set_interface_cache (the tests' switch) takes any object's truth: off keeps nothing and reuses nothing,
