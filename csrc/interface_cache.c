@@ -27,10 +27,11 @@
  * inside the dict's critical section before the dict is read (cdl_cache_ticket), so it is the tag of what was
  * read; a find compares it with the dict's tag then. A PyMutex would detach a thread that has to wait for it,
  * which lets go of the critical section it may hold. */
+#define CDL_NO_TICKET UINT64_MAX /* no tag reaches it: the dict is not to be kept */
+
 #if PY_VERSION_HEX < 0x030E0000
 #define CDL_INTERFACE_CACHE 1
 #define CDL_CACHE_SLOTS 4 /* a power of two: a slot is picked by bits of the dict's address */
-#define CDL_NO_TICKET UINT64_MAX /* no tag reaches it: the dict is not to be kept */
 
 typedef struct {
     PyObject *dict;   /* identity only, no reference; NULL: empty */
