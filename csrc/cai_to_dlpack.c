@@ -517,7 +517,8 @@ static int cdl_inert(PyObject *value)
 
 /* Whether every entry a record may come from is inert (the store's rule below). The descr (NumPy's is a list) is
  * not: a record is kept only when the typestr alone names the type, so what the descr holds is not in it. */
-static int cdl_entries_inert(PyObject *const *entries)
+/* Out of line: inlined, it moved the fresh-dict path's code (+4 instructions on 3.11). */
+static __attribute__((noinline)) int cdl_entries_inert(PyObject *const *entries)
 {
     for (int i = 0; i < CDL_DESCR; i++) {
         if (!cdl_inert(entries[i]))
