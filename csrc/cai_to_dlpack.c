@@ -498,18 +498,18 @@ PyObject *cdl_fused_reads_count(PyObject *module, PyObject *unused)
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&cdl_fused_reads, __ATOMIC_RELAXED));
 }
 
-/* Whether dropping value runs no Python code: absent, None, an exact int, bool, str or bytes, or an exact tuple of
- * exact ints, bools and None (no __del__, no weak reference, nothing the collector tracks). */
+/* Whether dropping value runs no Python code: absent, None, an exact int, bool or str, or an exact tuple of exact
+ * ints and bools (no __del__, no weak reference; a tuple's release untracks it and runs nothing). */
 static int cdl_inert(PyObject *value)
 {
     if (value == NULL || value == Py_None || PyLong_CheckExact(value) || PyBool_Check(value) ||
-        PyUnicode_CheckExact(value) || PyBytes_CheckExact(value))
+        PyUnicode_CheckExact(value))
         return 1;
     if (!PyTuple_CheckExact(value))
         return 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(value); i++) {
         PyObject *item = PyTuple_GET_ITEM(value, i);
-        if (item != Py_None && !PyLong_CheckExact(item) && !PyBool_Check(item))
+        if (!PyLong_CheckExact(item) && !PyBool_Check(item))
             return 0;
     }
     return 1;

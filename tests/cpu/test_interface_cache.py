@@ -422,20 +422,58 @@ class _Dropped(int):
             _Dropped.probe()
 
 
+class _Text(str):
+    pass
+
+
+class _Pair(tuple):
+    pass
+
+
+# Each key a record comes from, holding a value whose release may run Python code (an int, str or tuple subclass).
+_NOT_INERT = {
+    "version": lambda iface: _Dropped(3),
+    "typestr": lambda iface: _Text(iface["typestr"]),
+    "data pointer": lambda iface: (_Dropped(iface["data"][0]), False),
+    "data tuple": lambda iface: _Pair(iface["data"]),
+    "shape item": lambda iface: (_Dropped(6),),
+    "shape tuple": lambda iface: _Pair((6,)),
+    "strides item": lambda iface: (_Dropped(8),),
+}
+
+
 @kept_only
-@pytest.mark.parametrize("kind", ["an int subclass in the shape", "a tuple subclass as the shape"])
-def test_a_dict_holding_a_value_whose_release_runs_code_is_never_kept(kind):
-    """A value whose release may run Python code (here an int subclass, or a tuple subclass) keeps its dict from
-    being kept: on 3.11 and 3.12 that code can run inside an attribute store after the value changed and before
-    the dict's new tag is written."""
+@pytest.mark.parametrize("key", list(_NOT_INERT))
+def test_a_dict_holding_a_value_whose_release_runs_code_is_never_kept(key):
+    """A value whose release may run Python code, in any key the record comes from, keeps its dict from being
+    kept: on 3.11 and 3.12 that code can run inside an attribute store after the value changed and before the
+    dict's new tag is written."""
     x = np.arange(6.0)
     iface = dict(x.__array_interface__)
-    iface["shape"] = (_Dropped(6),) if kind.startswith("an int") else type("Shape", (tuple,), {})((6,))
+    name = key.split()[0]
+    iface[name] = _NOT_INERT[key](iface)
     made = holding(iface)
     for _ in range(2):
         took, array = converted(made)
         assert took == (0, 0)
         np.testing.assert_array_equal(array, x)
+
+
+@kept_only
+def test_a_cai_stream_whose_release_runs_code_is_never_kept(cudart):
+    """The CAI stream is part of the record too: an int subclass there keeps the dict from being kept."""
+    x = np.arange(8, dtype=np.float32)
+    register(cudart, x, DEVICE)
+    iface = dict(CaiArray(x, stream=None).__cuda_array_interface__)
+    iface["stream"] = _Dropped(S1)
+
+    class Held:
+        __cuda_array_interface__ = iface
+
+    for _ in range(2):
+        hits, stores = counts()
+        assert dlpack2cai(cai2dlpack(Held(), stream=-1)).device == (2, 0)
+        assert counts() == (hits, stores)
 
 
 @kept_only
