@@ -581,12 +581,13 @@ def test_the_store_delay_hook_refuses_what_is_not_a_number_of_microseconds(value
 @pytest.mark.skipif(not bool(__import__("sysconfig").get_config_var("Py_GIL_DISABLED")),
                     reason="with the GIL a record is kept as soon as it is read: the hook makes nothing wait")
 def test_the_store_delay_makes_each_store_wait_and_no_reuse():
-    """On free-threaded builds each store waits the hook's delay, twice (the windows the threads test needs); a
-    record's reuse does not wait, and 0 turns the wait off."""
+    """On free-threaded builds each store waits the hook's delay, twice (between the read and the store, and inside
+    the slot's lock: the windows the threads tests need); the longest delay, a whole second, is a second each time.
+    A record's reuse does not wait, and 0 turns the wait off."""
     import time
 
     made = holding(dict(np.arange(6.0).__array_interface__))
-    _core._set_record_store_delay(500000)
+    _core._set_record_store_delay(1000000)
     try:
         began = time.monotonic()
         assert converted(made)[0] == (0, 1)
@@ -594,7 +595,7 @@ def test_the_store_delay_makes_each_store_wait_and_no_reuse():
         assert converted(made)[0] == (1, 0)
     finally:
         _core._set_record_store_delay(0)
-    assert stored >= 1.0  # half a second before the lock, half inside it
+    assert stored >= 2.0  # a second between the read and the store, a second inside the lock
     made.__array_interface__["shape"] = (3, 2)
     began = time.monotonic()
     assert converted(made)[0] == (0, 1)
