@@ -394,6 +394,41 @@ def test_a_collection_never_waits_for_a_store_delayed_between_read_and_store():
     assert took < 0.5
 
 
+STOP_THE_WORLD_WHILE_A_SLOT_IS_HELD = textwrap.dedent("""
+    import gc, threading, time
+    import numpy as np
+    from cai_dlpack import _core, cai2dlpack
+
+    iface = dict(np.arange(6.0).__array_interface__)
+
+    class Held:
+        __array_interface__ = iface
+
+    _core._set_record_store_delay(300000)
+    storer = threading.Thread(target=lambda: cai2dlpack(Held()))
+    storer.start()
+    time.sleep(0.45)  # past the detached wait (0.3 s): the storer now sleeps holding the slot's lock
+    _core._set_record_store_delay(0)
+    finder = threading.Thread(target=lambda: cai2dlpack(Held()))  # spins on that lock
+    finder.start()
+    time.sleep(0.05)
+    gc.collect()  # stops the world: it waits for the sleeper, which must still be attached
+    storer.join()
+    finder.join()
+    print("done")
+""")
+
+
+@store_delay_only
+def test_a_collection_while_a_store_holds_its_slot_finishes():
+    """A store holding its slot's spin lock stays attached (the hook's wait there too): another thread spins on that
+    lock, attached, and a stop-the-world waits for both. A holder that detached would wait for the stop to end to
+    attach again, while the stop waited for the spinner: a deadlock (run in a child, with a time limit)."""
+    result = subprocess.run([sys.executable, "-c", STOP_THE_WORLD_WHILE_A_SLOT_IS_HELD], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr
+
+
 @store_delay_only
 def test_a_dict_subclass_changed_between_its_read_and_its_store_is_read_afresh_after():
     """A dict subclass is read by the general reader, which takes the dict's tag before the read: a change that
