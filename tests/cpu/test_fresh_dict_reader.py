@@ -13,8 +13,8 @@ import pytest
 from cai_dlpack import DLPackShim, _core, cai2dlpack
 from support.dlpack_ctypes import read_capsule
 
-# A dict held elsewhere is the fused reader's too on free-threaded builds (inside its critical section: no records
-# are kept there); with the GIL, its kept record or the general reader reads it.
+# A dict held elsewhere that no kept record serves is the fused reader's too on free-threaded builds (inside its
+# critical section); with the GIL, its kept record or the general reader reads it.
 HELD_FUSED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 BUFFER = np.zeros(1 << 12, dtype=np.uint8)
@@ -252,7 +252,7 @@ def test_a_dtype_asked_for_is_never_the_fused_readers():
 def test_a_held_dict_is_read_by_its_record_or_afresh_at_each_change():
     """Read once (by the general reader with the GIL, by the fused reader on free-threaded builds), then by its
     record while unchanged. Changed, it is read afresh, and the change is seen. Where no records are kept
-    (CPython 3.13.0, every dict watcher taken), free-threaded builds read it with the fused reader each time."""
+    (CPython 3.14 and later), a free-threaded build would read it with the fused reader each time."""
     held = Held(cupy_shaped())
     keeps = _core._interface_cache_info()["enabled"]
     fused, info = _core._fused_reads(), _core._interface_cache_info()
