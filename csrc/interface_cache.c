@@ -135,9 +135,7 @@ static void cdl_cache_wait(int detach)
             nanosleep(&wait, NULL);
     }
 }
-#endif
 
-#ifdef Py_GIL_DISABLED
 void cdl_cache_read_wait(void)
 {
     cdl_cache_wait(1);

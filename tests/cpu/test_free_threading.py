@@ -3,6 +3,7 @@ CAI opt-out switches) hammered from many threads at once, with the GIL released 
 it: the DLPack exchange API's allocator and the deleters of tensors, called here through ctypes, which drops
 the GIL around a foreign call. On a free-threaded CPython the module keeps the GIL off, so every Python thread
 here runs in parallel too; elsewhere the GIL serializes the Python-side calls and the rest still races."""
+import contextlib
 import ctypes
 import os
 import re
@@ -334,6 +335,23 @@ def test_a_held_dict_switched_whole_by_another_thread_is_read_as_one_state():
         assert not sys._is_gil_enabled()
 
 
+@contextlib.contextmanager
+def store_delay(microseconds):
+    """The store-delay hook's wait for the block (it waits on free-threaded builds only), none again after it."""
+    from cai_dlpack import _core
+
+    _core._set_record_store_delay(microseconds)
+    try:
+        yield
+    finally:
+        _core._set_record_store_delay(0)
+
+
+def held_numpy_dict():
+    """A class whose __array_interface__ is one ready dict (NumPy's, of six float64s), held by the class."""
+    return type("Held", (), {"__array_interface__": dict(np.arange(6.0).__array_interface__)})
+
+
 store_delay_only = pytest.mark.skipif(
     not FREE_THREADED or not __import__("cai_dlpack")._core._interface_cache_info()["enabled"],
     reason="the store-delay hook waits on free-threaded builds that keep records only (3.13t); with the GIL a read "
@@ -346,20 +364,15 @@ def test_a_store_under_way_when_keeping_is_turned_off_is_never_kept():
     is refused under its slot's lock, so the next conversion reads afresh and keeps its own record."""
     from cai_dlpack import _core
 
-    iface = dict(np.arange(6.0).__array_interface__)
-
-    class Held:
-        __array_interface__ = iface
-
-    _core._set_record_store_delay(300000)
+    Held = held_numpy_dict()
     try:
-        thread = threading.Thread(target=lambda: read_capsule(cai2dlpack(Held(), max_version=(1, 0))))
-        thread.start()
-        time.sleep(0.1)
-        _core._set_interface_cache(False)
-        thread.join()
+        with store_delay(300000):
+            thread = threading.Thread(target=lambda: read_capsule(cai2dlpack(Held(), max_version=(1, 0))))
+            thread.start()
+            time.sleep(0.1)
+            _core._set_interface_cache(False)
+            thread.join()
     finally:
-        _core._set_record_store_delay(0)
         _core._set_interface_cache(True)
     before = _core._interface_cache_info()
     read_capsule(cai2dlpack(Held(), max_version=(1, 0)))
@@ -373,15 +386,8 @@ def test_a_collection_never_waits_for_a_store_delayed_between_read_and_store():
     stops the world) returns without waiting for it."""
     import gc
 
-    from cai_dlpack import _core
-
-    iface = dict(np.arange(6.0).__array_interface__)
-
-    class Held:
-        __array_interface__ = iface
-
-    _core._set_record_store_delay(1000000)
-    try:
+    Held = held_numpy_dict()
+    with store_delay(1000000):
         thread = threading.Thread(target=lambda: read_capsule(cai2dlpack(Held(), max_version=(1, 0))))
         thread.start()
         time.sleep(0.2)
@@ -389,8 +395,6 @@ def test_a_collection_never_waits_for_a_store_delayed_between_read_and_store():
         gc.collect()
         took = time.monotonic() - began
         thread.join()
-    finally:
-        _core._set_record_store_delay(0)
     assert took < 0.5
 
 
@@ -434,8 +438,6 @@ def test_a_dict_subclass_changed_between_its_read_and_its_store_is_read_afresh_a
     """A dict subclass is read by the general reader, which takes the dict's tag before the read: a change that
     lands while the store waits (the hook) leaves a record under the old tag, never found again (one taken at the
     store would keep the old content under the new tag: the review's mutant, 5 of 5 stale)."""
-    from cai_dlpack import _core
-
     raw = np.zeros(64, dtype=np.float32)
 
     class Interface(dict):
@@ -453,15 +455,12 @@ def test_a_dict_subclass_changed_between_its_read_and_its_store_is_read_afresh_a
     seen = []
     for _ in range(3):
         holder.__array_interface__["shape"] = (2,)
-        _core._set_record_store_delay(200000)
-        try:
+        with store_delay(200000):
             thread = threading.Thread(target=shape_now)
             thread.start()
             time.sleep(0.05)
             holder.__array_interface__["shape"] = (9,)
             thread.join()
-        finally:
-            _core._set_record_store_delay(0)
         seen += [shape_now() for _ in range(3)]
     assert seen == [(9,)] * 9
 
@@ -515,11 +514,8 @@ def test_a_record_kept_while_its_dict_changes_never_serves_the_change():
             read_capsule(cai2dlpack(Held(), max_version=(1, 0)))
             reads[0] += 1
 
-    _core._set_record_store_delay(200)
-    try:
+    with store_delay(200):
         assert run_threads(work, 3) == []
-    finally:
-        _core._set_record_store_delay(0)
     assert stale == []
     if _core._interface_cache_info()["enabled"]:
         assert _core._interface_cache_info()["stores"] > stores_before  # records were kept all along
@@ -625,13 +621,8 @@ def test_two_dicts_taking_one_slot_in_turn_are_each_read_whole():
             if seen != expected[which]:
                 torn.append((which, seen))
 
-    from cai_dlpack import _core
-
-    _core._set_record_store_delay(20)  # on free-threaded builds each store waits with its record half written
-    try:
+    with store_delay(20):  # on free-threaded builds each store waits with its record half written
         assert run_threads(work, 4) == []
-    finally:
-        _core._set_record_store_delay(0)
     assert torn == []
     if FREE_THREADED:
         assert not sys._is_gil_enabled()

@@ -304,17 +304,22 @@ def test_a_reused_cai_record_asks_the_device_again(cudart):
 
 
 
+class Attributes:
+    pass
+
+
+def attributes_as_interface(x):
+    """A plain instance whose attributes describe x, and a holder whose interface dict is that instance's vars()."""
+    a = Attributes()
+    a.version, a.shape, a.typestr, a.data = 3, x.shape, x.__array_interface__["typestr"], (x.ctypes.data, False)
+    return a, holding(vars(a))
+
+
 def test_an_objects_own_attributes_as_the_interface_are_read_afresh():
     """vars(a) as the interface dict, changed by attribute stores (CPython keeps those in the object's inline
     values, which 3.13.0's dict watchers missed). Read right whether or not records are kept."""
     x = np.arange(12.0)
-
-    class Attributes:
-        pass
-
-    a = Attributes()
-    a.version, a.shape, a.typestr, a.data = 3, (12,), "<f8", (x.ctypes.data, False)
-    made = holding(vars(a))
+    a, made = attributes_as_interface(x)
     for shape in ((12,), (3,), (2,), (6,)):
         if shape == (2,):
             object.__setattr__(a, "shape", shape)
@@ -397,13 +402,7 @@ def test_a_dict_over_an_objects_inline_values_is_never_kept():
     """vars(a) of a plain instance is a split table over its inline values (3.12, 3.13): an attribute stored there
     gives the dict no new version tag on 3.13, so it is read afresh each time, never kept."""
     x = np.arange(12.0)
-
-    class Attributes:
-        pass
-
-    a = Attributes()
-    a.version, a.shape, a.typestr, a.data = 3, (12,), "<f8", (x.ctypes.data, False)
-    made = holding(vars(a))
+    a, made = attributes_as_interface(x)
     if sys.version_info < (3, 12):
         pytest.skip("3.11 keeps these: every attribute store there gives the dict a new version tag")
     for shape in ((12,), (4,)):
