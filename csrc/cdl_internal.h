@@ -560,6 +560,8 @@ PyObject *cdl_keepalive_exporter(PyObject *keepalive);
 /* The whole export: checks the consumer's requests, orders streams, builds the capsule. */
 PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive, PyObject *stream,
                      PyObject *max_version, PyObject *dl_device, PyObject *copy);
+/* cai2dlpack(obj) with no keyword, the common call: obj read (not a dict) and exported in one function. */
+PyObject *cdl_cai2dlpack_plain(PyObject *obj);
 
 /* copy.c: the copies a consumer asks __dlpack__ for --------------------------------------------------- */
 /* A capsule owning a new C-contiguous copy of arr (same type and shape, writable, flagged IS_COPIED) on target:

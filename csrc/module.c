@@ -9,13 +9,7 @@ static PyObject *cdl_cai2dlpack(PyObject *module, PyObject *const *args, Py_ssiz
     (void)module;
     if (nargs == 1 && kwnames == NULL && !PyDict_Check(args[0])) {
         /* cai2dlpack(obj), the common call: no keyword to parse or check. */
-        cdl_array arr;
-        PyObject *keepalive;
-        if (cdl_array_from_object(args[0], NULL, &arr, &keepalive) < 0)
-            return NULL;
-        PyObject *capsule = cdl_export(&arr, args[0], keepalive, NULL, NULL, NULL, NULL);
-        Py_XDECREF(keepalive);
-        return capsule;
+        return cdl_cai2dlpack_plain(args[0]);
     }
     PyObject *names[] = {cdl_name.stream, cdl_name.max_version, cdl_name.owner, cdl_name.dtype, cdl_name.dl_device,
                          cdl_name.copy};
