@@ -364,16 +364,16 @@ static inline int cdl_extent_readable(const cdl_array *out, int64_t itemsize)
  * not whole items, any extent problem, a NULL pointer) it leaves to the general reader, which then reads the same
  * dict afresh and raises its errors: so this path never raises, and no dict reads differently through it.
  * Returns 1 with *out filled but for the device, else 0. */
-static int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *out)
+static __attribute__((noinline)) int cdl_read_fresh_dict(PyObject *iface, cdl_source source, cdl_array *out)
 {
     PyObject *found[CDL_FRESH_KEYS] = {NULL};
     PyObject *const *const names = cdl_name.fresh_keys; /* NULL after the last: a key is never NULL */
     Py_ssize_t position = 0, left = PyDict_GET_SIZE(iface);
     PyObject *key, *value;
-    int next = 0; /* the slot whose name is expected next: the one after the last found, as CuPy orders them */
+    Py_ssize_t next = 0; /* the slot whose name is expected next: the one after the last found, as CuPy orders them */
     /* Stops at the last entry: the call that would only say so is not made. */
     while (left-- > 0 && PyDict_Next(iface, &position, &key, &value)) {
-        int slot = next;
+        Py_ssize_t slot = next;
         if (key != names[slot]) {
             slot = 0;
             while (slot < CDL_FRESH_KEYS && key != names[slot])
@@ -1293,7 +1293,13 @@ PyObject *cdl_export(const cdl_array *arr, PyObject *owner, PyObject *keepalive,
     return cdl_export_as_asked(arr, owner, keepalive, stream, max_version, dl_device, copy);
 }
 
-PyObject *cdl_cai2dlpack_plain(PyObject *obj)
+/* Flattened: every call in it is inlined, through every file under link-time optimization (the capsule, the release
+ * point, the pointer query), callees' calls too. What a common conversion never reaches is kept out of line where
+ * it is declared (noinline): the general reader, the runtime's search, ordering by the runtime, the pending
+ * releases, the CUDA error; the fresh-dict walk too, which inlined here cost 9 instructions more (registers). So
+ * this function is about 11 KB. Callgrind, 3.11, against the two calls it replaced: a fresh dict 1,407 -> 1,322
+ * instructions, a ready one 1,012 -> 932, a NumPy array 770 -> 697. */
+__attribute__((flatten)) PyObject *cdl_cai2dlpack_plain(PyObject *obj)
 {
     cdl_array arr;
     PyObject *keepalive;

@@ -276,7 +276,7 @@ int cdl_cuda_errors_init(void);
  * Returns 0, or -1 with an exception set (runtime missing, CUDA error, memory CUDA does not know). */
 int cdl_device_of_pointer(const void *ptr, DLDevice *device, int32_t *home);
 /* Sets cdl_CudaError for a failed runtime call and clears the runtime's last error. Returns -1. */
-int cdl_raise_cuda_error(const char *call, int code);
+__attribute__((noinline)) int cdl_raise_cuda_error(const char *call, int code);
 /* Function table of the loaded runtime; NULL with RuntimeError saying what was searched. Threads may
  * search at once; the first runtime published is the one every thread uses from then on. */
 struct cdl_cudart;
@@ -305,7 +305,7 @@ extern _Atomic int cdl_option_trust_streams;   /* 1: a stream named by handle ou
  * consumer is 1, a CAI 'stream' entry (None -> 0, 1, 2 or a handle) when 0. Returns 0 or -1. */
 int cdl_parse_stream(PyObject *value, const char *what, int consumer, int64_t *out);
 /* cdl_order_streams where two streams may be involved: everything it does past its inline answers. */
-int cdl_order_streams_by_runtime(const cdl_array *arr, int64_t consumer);
+__attribute__((noinline)) int cdl_order_streams_by_runtime(const cdl_array *arr, int64_t consumer);
 /* Orders the consumer stream after arr's producer stream on its device, host not blocked (nothing to do
  * for an array without elements). Inside CUDA graph captures it does what the README's table says: a
  * wait inside one capture, an external wait for work made outside the consumer's capture, or CudaError

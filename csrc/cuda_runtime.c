@@ -243,10 +243,16 @@ const cdl_cudart *cdl_cudart_get_any_thread(void)
     return rt;
 }
 
+/* cdl_cudart_get's search: out of line, so that callers which inline cdl_cudart_get take only its first test. */
+static __attribute__((noinline)) const cdl_cudart *cdl_cudart_search(void);
+
 const cdl_cudart *cdl_cudart_get(void)
 {
-    if (cdl_is_loaded())
-        return &cdl_runtime;
+    return cdl_is_loaded() ? &cdl_runtime : cdl_cudart_search();
+}
+
+static const cdl_cudart *cdl_cudart_search(void)
+{
     char tried[4096] = "";
     const char *named = getenv("CAI_DLPACK_CUDART");
     if (named != NULL && named[0] != '\0') {

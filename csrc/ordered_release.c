@@ -531,10 +531,18 @@ static void cdl_note_busy(cdl_busy_streams *busy, const cdl_pending *entry)
     }
 }
 
+/* cdl_release_completed past its first test: kept out of line, so an export that inlines its callees (the flattened
+ * cai2dlpack(obj)) takes only that test. */
+static __attribute__((noinline)) void cdl_release_pending(void);
+
 void cdl_release_completed(void)
 {
-    if (cdl_pending_count == 0)
-        return;
+    if (cdl_pending_count != 0)
+        cdl_release_pending();
+}
+
+static void cdl_release_pending(void)
+{
     const cdl_cudart *rt = cdl_cudart_loaded();
     if (rt == NULL)
         return;
