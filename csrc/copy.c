@@ -556,7 +556,7 @@ PyObject *cdl_export_copy(const cdl_array *arr, DLDevice target, int64_t consume
         }
     }
     else {
-        cdl_release_point release_at;
+        cdl_release_point release_at = {0}; /* set by the copy; zeroed for gcc, which cannot see that under LTO */
         int stream_ordered = 0;
         if (cdl_copy_on_device(arr, &layout, itemsize, count, consumer, owner, keepalive, &copy.data, &release_at,
                                &stream_ordered) < 0)

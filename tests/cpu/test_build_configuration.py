@@ -1,6 +1,8 @@
 """The build's own checks: configure uses our own DLPack declarations by default, and fails with a clear
-message when the upstream dlpack.h it is pointed at is missing or older than 1.2."""
+message when the upstream dlpack.h it is pointed at is missing or older than 1.2; link-time optimization is on
+where the toolchain takes it, off where asked, and does not hide the warnings -Werror turns into errors."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,12 +13,20 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.par
 cmake = shutil.which("cmake")
 
 
-def configure(tmp_path, dlpack_dir):
+def configure(tmp_path, dlpack_dir, *options, source=ROOT):
     result = subprocess.run(
-        [cmake, "-S", ROOT, "-B", str(tmp_path / "build"), f"-DDLPACK_INCLUDE_DIR={dlpack_dir or ''}",
-         f"-DPython_EXECUTABLE={sys.executable}"],
+        [cmake, "-S", str(source), "-B", str(tmp_path / "build"), f"-DDLPACK_INCLUDE_DIR={dlpack_dir or ''}",
+         f"-DPython_EXECUTABLE={sys.executable}", *options],
         capture_output=True, text=True, timeout=300)
     return result.returncode, " ".join((result.stdout + result.stderr).split())  # CMake wraps its messages
+
+
+def configured_or_skip(tmp_path, *options, source=ROOT):
+    code, output = configure(tmp_path, None, *options, source=source)
+    if "CUDA Runtime API headers not found" in output:
+        pytest.skip("the CUDA Runtime API header wheels (nvidia-cuda-runtime, nvidia-cuda-crt) are not installed")
+    assert code == 0, output
+    return output
 
 
 @pytest.mark.skipif(cmake is None, reason="cmake is not on PATH")
@@ -57,3 +67,45 @@ def test_an_upstream_dlpack_header_is_used_when_named(tmp_path):
         pytest.skip("the CUDA Runtime API header wheels (nvidia-cuda-runtime, nvidia-cuda-crt) are not installed")
     assert code == 0, output
     assert f"DLPack 1.2 from {tmp_path / 'new'}" in output
+
+
+@pytest.mark.skipif(cmake is None, reason="cmake is not on PATH")
+@pytest.mark.parametrize("options, on", [
+    ((), True),
+    (("-DCAI_DLPACK_LTO=OFF",), False),
+    (("-DCMAKE_INTERPROCEDURAL_OPTIMIZATION=OFF",), False),  # CMake's own switch, as packagers set it
+    (("-DCAI_DLPACK_SANITIZE=ON",), False),
+    (("-DCAI_DLPACK_TSAN=ON",), False),
+])
+def test_link_time_optimization_is_on_unless_turned_off(tmp_path, options, on):
+    output = configured_or_skip(tmp_path, *options)
+    if on and "Link-time optimization: off, the toolchain refused it" in output:
+        pytest.skip("this toolchain does not take link-time optimization")
+    assert ("Link-time optimization: on" in output) == on, output
+    assert "Link-time optimization: off" in output or on, output
+
+
+# A read of a variable one path leaves unset: an error under -Werror. gcc finds it by its flow analysis, which
+# runs where the code is made: at the link when link-time optimization is on, so that must warn too.
+UNSET_KIND = ("    *kind = text[1];\n", "    if (length == 3)\n        *kind = text[1];\n")
+
+
+@pytest.mark.skipif(cmake is None, reason="cmake is not on PATH")
+@pytest.mark.parametrize("lto", ["ON", "OFF"])
+def test_werror_fails_a_read_of_an_unset_variable_with_or_without_lto(tmp_path, lto):
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns("build", ".venv", ".git", "*.so", "__pycache__"))
+    dtype_c = source / "csrc" / "dtype.c"
+    text = dtype_c.read_text()
+    assert text.count(UNSET_KIND[0]) == 1, "dtype.c no longer sets *kind as this test expects: update the test"
+    dtype_c.write_text(text.replace(*UNSET_KIND))
+    output = configured_or_skip(tmp_path, "-DCMAKE_BUILD_TYPE=Release", "-DCAI_DLPACK_WERROR=ON",
+                                f"-DCAI_DLPACK_LTO={lto}", source=source)
+    compiler = re.search(r"The C compiler identification is (\w+)", output)
+    if compiler is None or compiler.group(1) != "GNU":
+        pytest.skip("the test's unset read is one gcc's flow analysis reports; this compiler is not gcc")
+    built = subprocess.run([cmake, "--build", str(tmp_path / "build")], capture_output=True, text=True,
+                           timeout=600)
+    assert built.returncode != 0, built.stdout[-2000:]
+    assert "kind" in built.stdout + built.stderr and "uninitialized" in built.stdout + built.stderr, \
+        (built.stdout + built.stderr)[-2000:]
