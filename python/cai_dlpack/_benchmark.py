@@ -85,7 +85,7 @@ def cpu_groups(np, torch=None, extra=None, short=False):
     for which, iface in producer_dicts(x).items():
         names[f"h{len(converter)}"] = Holder(x, iface=iface)
         converter.append((f"cai2dlpack(ready dict): {which} dict", (f"cai2dlpack(h{len(converter)})", names)))
-    converter += [("cai2dlpack(x): a NumPy array, read through its buffer", ("cai2dlpack(x)", names)),
+    converter += [("cai2dlpack(x): a NumPy array, read from its fields", ("cai2dlpack(x)", names)),
                   ("NumPy x.__dlpack__()", ("x.__dlpack__()", names))]
     converter += list((extra or {}).get("converter", []))
     groups = [("converter alone, 2-d float32", "NumPy x.__dlpack__()", converter)]
