@@ -76,13 +76,22 @@ def test_an_upstream_dlpack_header_is_used_when_named(tmp_path):
     (("-DCMAKE_INTERPROCEDURAL_OPTIMIZATION=OFF",), False),  # CMake's own switch, as packagers set it
     (("-DCAI_DLPACK_SANITIZE=ON",), False),
     (("-DCAI_DLPACK_TSAN=ON",), False),
+    (("-DCMAKE_INTERPROCEDURAL_OPTIMIZATION=ON",), True),
+    (("-DCMAKE_INTERPROCEDURAL_OPTIMIZATION=ON", "-DCAI_DLPACK_LTO=OFF"), False),  # ours says off: off it is
+    (("-DCMAKE_INTERPROCEDURAL_OPTIMIZATION=ON", "-DCAI_DLPACK_SANITIZE=ON"), False),
 ])
 def test_link_time_optimization_is_on_unless_turned_off(tmp_path, options, on):
-    output = configured_or_skip(tmp_path, *options)
+    output = configured_or_skip(tmp_path, "-DCMAKE_BUILD_TYPE=Release", *options)
     if on and "Link-time optimization: off, the toolchain refused it" in output:
         pytest.skip("this toolchain does not take link-time optimization")
     assert ("Link-time optimization: on" in output) == on, output
     assert "Link-time optimization: off" in output or on, output
+    # What the build runs says the same: the compile and link commands (Unix Makefiles' flags and link files, or
+    # Ninja's one file).
+    commands = " ".join(path.read_text() for path in (tmp_path / "build").rglob("*")
+                        if path.name in ("flags.make", "link.txt", "build.ninja"))
+    assert commands, "no compile flags or link command found in the build folder"
+    assert ("-flto" in commands) == on, commands
 
 
 # A read of a variable one path leaves unset: an error under -Werror. gcc finds it by its flow analysis, which
