@@ -187,7 +187,7 @@ static int cdl_array_from_exchange_api(PyObject *obj, cdl_array *arr, const DLPa
      * Python code (a subclass may override them): it is read into the record first, by C code alone. */
     DLDataType dtype = tensor.dtype;
     int valid = cdl_array_from_tensor(&tensor, 0, arr);
-    cdl_pending_error invalid;
+    cdl_pending_error invalid = {0}; /* stashed only when the tensor is refused */
     if (valid < 0)
         cdl_error_stash(&invalid);
     int usable = cdl_exchange_usable(obj, dtype);

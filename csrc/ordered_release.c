@@ -202,7 +202,7 @@ void cdl_release_point_set(cdl_release_point *point, int64_t consumer, const cdl
      * already set is theirs, and a runtime that cannot be loaded leaves the release unordered, as it must. */
     const cdl_cudart *rt = cdl_cudart_loaded();
     if (rt == NULL) {
-        cdl_pending_error pending;
+        cdl_pending_error pending = {0}; /* stashed only when an error is set */
         const int stash = PyErr_Occurred() != NULL;
         if (stash)
             cdl_error_stash(&pending);
