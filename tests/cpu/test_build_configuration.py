@@ -13,11 +13,21 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.par
 cmake = shutil.which("cmake")
 
 
+# The build requirements (the CUDA Runtime API header wheels) come from this interpreter, or from the folder
+# CAI_DLPACK_TEST_BUILD_DEPS names (pip install --target DIR nvidia-cuda-runtime nvidia-cuda-crt: CI's main stage
+# makes one); else the tests that build are skipped. An ASan runtime preloaded into this interpreter is not passed on
+# to cmake and the compiler.
+BUILD_ENVIRONMENT = {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"}
+if os.environ.get("CAI_DLPACK_TEST_BUILD_DEPS"):
+    BUILD_ENVIRONMENT["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [os.environ["CAI_DLPACK_TEST_BUILD_DEPS"], os.environ.get("PYTHONPATH")]))
+
+
 def configure(tmp_path, dlpack_dir, *options, source=ROOT):
     result = subprocess.run(
         [cmake, "-S", str(source), "-B", str(tmp_path / "build"), f"-DDLPACK_INCLUDE_DIR={dlpack_dir or ''}",
          f"-DPython_EXECUTABLE={sys.executable}", *options],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, env=BUILD_ENVIRONMENT)
     return result.returncode, " ".join((result.stdout + result.stderr).split())  # CMake wraps its messages
 
 
@@ -100,8 +110,8 @@ UNSET_KIND = ("    *kind = text[1];\n", "    if (length == 3)\n        *kind = t
 
 
 @pytest.mark.skipif(cmake is None, reason="cmake is not on PATH")
-@pytest.mark.parametrize("lto", ["ON", "OFF"])
-def test_werror_fails_a_read_of_an_unset_variable_with_or_without_lto(tmp_path, lto):
+def test_werror_fails_a_read_of_an_unset_variable_under_lto(tmp_path):
+    """Without LTO the compile reports it, as every build did before LTO (the sanitizer builds still do)."""
     source = tmp_path / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns("build", ".venv", ".git", "*.so", "__pycache__"))
     dtype_c = source / "csrc" / "dtype.c"
@@ -109,12 +119,15 @@ def test_werror_fails_a_read_of_an_unset_variable_with_or_without_lto(tmp_path, 
     assert text.count(UNSET_KIND[0]) == 1, "dtype.c no longer sets *kind as this test expects: update the test"
     dtype_c.write_text(text.replace(*UNSET_KIND))
     output = configured_or_skip(tmp_path, "-DCMAKE_BUILD_TYPE=Release", "-DCAI_DLPACK_WERROR=ON",
-                                f"-DCAI_DLPACK_LTO={lto}", source=source)
+                                source=source)
+    if "Link-time optimization: on" not in output:
+        pytest.skip("this toolchain does not take link-time optimization")
     compiler = re.search(r"The C compiler identification is (\w+)", output)
     if compiler is None or compiler.group(1) != "GNU":
         pytest.skip("the test's unset read is one gcc's flow analysis reports; this compiler is not gcc")
-    built = subprocess.run([cmake, "--build", str(tmp_path / "build")], capture_output=True, text=True,
-                           timeout=600)
+    built = subprocess.run([cmake, "--build", str(tmp_path / "build"), "--parallel", str(os.cpu_count() or 1)],
+                           capture_output=True, text=True,
+                           timeout=600, env=BUILD_ENVIRONMENT)
     assert built.returncode != 0, built.stdout[-2000:]
     assert "kind" in built.stdout + built.stderr and "uninitialized" in built.stdout + built.stderr, \
         (built.stdout + built.stderr)[-2000:]
